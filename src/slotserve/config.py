@@ -1,0 +1,179 @@
+"""Engine and model configuration: validated dataclasses built from user settings and config.json."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A model's config.json or an engine setting is missing, malformed or unsupported."""
+
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """`auto`/None picks float32 on CPU (no native bf16 GEMM there) and bfloat16 on CUDA."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name is None or name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype: unknown value {name!r}; choose one of auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[name]
+
+
+def parse_device(name: str | torch.device | None) -> torch.device:
+    if name is None or name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {name!r} requested but CUDA is not available")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: {name!r} is not supported; choose cpu or cuda")
+    return device
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    scaling_type: str = "default"  # default | linear | yarn
+    factor: float = 1.0
+    original_max_position: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture facts the model code needs, normalised across config.json generations."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ConfigError("config.json: 'architectures' is missing or empty")
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            model_type = cfg.get("model_type", "")
+            return cls(
+                architecture=archs[0],
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope=_parse_rope(cfg),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                # Qwen2 always has q/k/v bias; Qwen3 follows `attention_bias` (False in every release).
+                attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+                qk_norm=model_type.startswith("qwen3"),
+                eos_token_ids=_eos_ids(cfg, generation_config or {}),
+                bos_token_id=cfg.get("bos_token_id"),
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json: required field {e.args[0]!r} is missing") from None
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> ModelConfig:
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ConfigError(f"{cfg_file}: not found; a model directory needs a config.json")
+        gen_file = path / "generation_config.json"
+        gen = _read_json(gen_file) if gen_file.is_file() else {}
+        return cls.from_dict(_read_json(cfg_file), gen)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+
+def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters`; older configs write `rope_theta` + `rope_scaling`.
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind not in ("default", "linear", "yarn"):
+        raise ConfigError(f"config.json: rope type {kind!r} is not supported (supported: default, linear, yarn)")
+    if kind == "default":
+        return RopeConfig(theta=theta)
+    if "factor" not in params:
+        raise ConfigError(f"config.json: rope type {kind!r} needs a 'factor'")
+    return RopeConfig(
+        theta=theta,
+        scaling_type=kind,
+        factor=float(params["factor"]),
+        original_max_position=params.get("original_max_position_embeddings"),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        attention_factor=params.get("attention_factor"),
+        truncate=bool(params.get("truncate", True)),
+    )
+
+
+def _eos_ids(cfg: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in (gen.get("eos_token_id"), cfg.get("eos_token_id")):
+        if source is None:
+            continue
+        for i in source if isinstance(source, list) else [source]:
+            if int(i) not in ids:
+                ids.append(int(i))
+    return tuple(ids)
+
+
+@dataclass
+class EngineConfig:
+    """What the user chose: which model, where, how large a context."""
+
+    model: str = "qwen2.5-coder-0.5b"
+    dtype: str | None = None
+    device: str | None = None
+    max_model_len: int | None = None
+    seed: int = 0
+    trust_cache: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len: must be >= 1, got {self.max_model_len}")
