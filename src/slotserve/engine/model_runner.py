@@ -1,0 +1,88 @@
+"""Turns one step's scheduled sequences into a flat batch, runs the model, returns the logits wanted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from slotserve.config import ModelConfig
+from slotserve.layers.attention import Attention, AttentionMetadata
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: `token_ids` are computed at positions start_pos, start_pos+1, ..."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    logits: str = "last"  # "last": next-token logits only; "all": every new position's; "none"
+
+    def __post_init__(self) -> None:
+        if self.logits not in ("last", "all", "none"):
+            raise ValueError(f"logits: must be 'last', 'all' or 'none', got {self.logits!r}")
+
+
+class KVCacheFullError(RuntimeError):
+    """A sequence's block table does not cover the positions it is asked to compute."""
+
+
+class ModelRunner:
+    """Owns the model and its paged KV cache; stateless across steps beyond the cache contents."""
+
+    def __init__(self, model: nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int) -> None:
+        self.model, self.cfg = model, cfg
+        self.block_size, self.num_blocks = block_size, num_blocks
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        shape = (cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        layers = [m for m in model.modules() if isinstance(m, Attention)]
+        for i, attn in enumerate(layers):
+            attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
+
+    @staticmethod
+    def cache_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+        elem = torch.empty(0, dtype=dtype).element_size()
+        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[ScheduledSeq]) -> list[torch.Tensor | None]:
+        """Runs one forward over all sequences' new tokens; per sequence, float32 logits [rows, vocab]."""
+        input_ids, positions, slots, rows = [], [], [], []
+        for seq in seqs:
+            n, end = len(seq.token_ids), seq.start_pos + len(seq.token_ids)
+            if end > len(seq.block_table) * self.block_size:
+                raise KVCacheFullError(
+                    f"block table of {len(seq.block_table)} blocks cannot hold {end} tokens")
+            base = len(input_ids)
+            input_ids.extend(seq.token_ids)
+            for pos in range(seq.start_pos, end):
+                positions.append(pos)
+                slots.append(seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            if seq.logits == "last":
+                rows.append(range(base + n - 1, base + n))
+            elif seq.logits == "all":
+                rows.append(range(base, base + n))
+            else:
+                rows.append(range(0))
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        meta = AttentionMetadata.build(
+            query_lens=[len(s.token_ids) for s in seqs],
+            seq_lens=[s.start_pos + len(s.token_ids) for s in seqs],
+            slot_mapping=as_tensor(slots),
+            block_tables=[s.block_table for s in seqs],
+            block_size=self.block_size,
+        )
+        hidden = self.model(as_tensor(input_ids), as_tensor(positions), meta)
+        wanted = [i for r in rows for i in r]
+        logits = self.model.compute_logits(hidden[as_tensor(wanted)]) if wanted else None
+        out: list[torch.Tensor | None] = []
+        offset = 0
+        for r in rows:
+            out.append(logits[offset:offset + len(r)] if len(r) else None)
+            offset += len(r)
+        return out

@@ -1,0 +1,27 @@
+"""Maps a config's `architectures[0]` to the module that implements it."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from slotserve.models.qwen2 import Qwen2ForCausalLM
+from slotserve.models.qwen3 import Qwen3ForCausalLM
+
+
+class UnsupportedArchitectureError(ValueError):
+    pass
+
+
+ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return ARCHITECTURES[architecture]
+    except KeyError:
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise UnsupportedArchitectureError(
+            f"architecture {architecture!r} is not supported; supported architectures: {supported}") from None
