@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +101,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 # Qwen2 always has q/k/v bias; Qwen3 follows `attention_bias` (False in every release).
                 attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-                qk_norm=model_type.startswith("qwen3"),
+                qk_norm=model_type.startswith("qwen3") or archs[0].startswith("Qwen3"),
                 eos_token_ids=_eos_ids(cfg, generation_config or {}),
                 bos_token_id=cfg.get("bos_token_id"),
             )
@@ -164,16 +164,23 @@ def _eos_ids(cfg: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:
 
 @dataclass
 class EngineConfig:
-    """What the user chose: which model, where, how large a context."""
+    """What the user chose: which model, where, and the bounds of the KV cache and the batch."""
 
     model: str = "qwen2.5-coder-0.5b"
-    dtype: str | None = None
-    device: str | None = None
-    max_model_len: int | None = None
+    dtype: str | None = None  # None/"auto": float32 on CPU, bfloat16 on CUDA
+    device: str | None = None  # None/"auto": CUDA when available
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped by the cache
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None: 1 GiB on CPU, 90 % of free memory on CUDA
+    max_num_seqs: int = 64
     seed: int = 0
-    trust_cache: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len: must be >= 1, got {self.max_model_len}")
+        for name in ("max_model_len", "kv_cache_memory"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        for name in ("block_size", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")

@@ -1,0 +1,203 @@
+"""The `slotserve` command: generate, chat, models, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+_STARTED = time.perf_counter()  # before torch is imported: the start of "time to first token"
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    from slotserve.model_store import DEFAULT_MODEL
+
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                   help=f"an alias (see `slotserve models`), a Hugging Face directory or a .gguf file "
+                        f"(default: {DEFAULT_MODEL})")
+    g.add_argument("--dtype", default="auto",
+                   help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length limit (prompt + output)")
+    g.add_argument("--kv-cache-memory", type=_size, default=None, help="KV cache size, e.g. 512M or 2G")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once")
+
+
+def _sampling_args(p: argparse.ArgumentParser, max_tokens: int | None) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
+    g.add_argument("--top-p", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=20, help="0 = off")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.05)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help="most tokens to generate")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--seed", type=int, default=None, help="seed of the sampling for reproducible output")
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    text = text.strip().lower().removesuffix("b").removesuffix("i")
+    try:
+        if text and text[-1] in units:
+            return int(float(text[:-1]) * units[text[-1]])
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 2G)") from None
+
+
+def _make_llm(args: argparse.Namespace):
+    from slotserve import LLM
+
+    return LLM(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+               kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs)
+
+
+def _params(args: argparse.Namespace):
+    from slotserve import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, max_tokens=args.max_tokens, stop=args.stop, seed=args.seed,
+    )
+
+
+def _template_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else {}
+    if args.no_think:
+        kwargs["enable_thinking"] = False
+    return kwargs
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    prompt = args.prompt
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        prompt = llm.render_chat([*messages, {"role": "user", "content": prompt}], _template_kwargs(args))
+    for piece in llm.stream(prompt, _params(args)):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    params = _params(args)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    print("Chatting with", args.model, "- /exit to quit, /reset to forget the conversation.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        prompt = llm.render_chat(history, _template_kwargs(args))
+        reply = []
+        try:
+            for piece in llm.stream(prompt, params):
+                reply.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            pass  # stop this reply, keep the conversation
+        except ValueError as e:  # e.g. the conversation outgrew the context
+            print(f"\nerror: {e}", file=sys.stderr)
+            history.pop()
+            continue
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from slotserve.model_store import cache_dir, list_models
+
+    rows = list_models()
+    if args.json:
+        print(json.dumps([vars(r) for r in rows], default=str))
+        return 0
+    print(f"cache: {cache_dir()}")
+    print(f"{'alias':24} {'size':>9}  {'installed':9}  {'ready':5}  description")
+    for r in rows:
+        name = r.alias + (" (default)" if r.is_default else "")
+        print(f"{name:24} {r.size / 1e6:7.0f}MB  {'yes' if r.installed else 'no':9}  "
+              f"{'yes' if r.converted else 'no':5}  {r.description}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from slotserve.bench.latency import run_latency
+
+    result = run_latency(_make_llm, args, started=_STARTED)
+    print(json.dumps(result))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slotserve", description="Run Qwen models: generate, chat, benchmark.")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="complete one prompt and print it as it is generated")
+    p.add_argument("prompt")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--chat-template-kwargs", default=None, help='JSON, e.g. \'{"enable_thinking": false}\'')
+    p.add_argument("--no-think", action="store_true", help="Qwen3: disable thinking (enable_thinking=false)")
+    _engine_args(p)
+    _sampling_args(p, max_tokens=256)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat in the terminal (streams replies, keeps the conversation)")
+    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--chat-template-kwargs", default=None, help='JSON, e.g. \'{"enable_thinking": false}\'')
+    p.add_argument("--no-think", action="store_true", help="Qwen3: disable thinking (enable_thinking=false)")
+    _engine_args(p)
+    _sampling_args(p, max_tokens=1024)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("models", help="list the model aliases and whether each is installed")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("bench", help="benchmarks that print JSON figures")
+    bench = p.add_subparsers(dest="bench", required=True)
+    b = bench.add_parser("latency", help="load time, time to first token, prefill and decode tokens/s")
+    b.add_argument("--input-len", type=int, default=512, help="prompt tokens for the prefill figure")
+    b.add_argument("--output-len", type=int, default=128, help="tokens decoded for the decode figure")
+    b.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the median is reported")
+    _engine_args(b)
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as e:
+        print(f"slotserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

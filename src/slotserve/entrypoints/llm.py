@@ -1,0 +1,109 @@
+"""The offline API: `LLM(model=...).generate(prompts, params)` and `.chat(messages, params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from slotserve.config import EngineConfig
+from slotserve.engine.llm_engine import LLMEngine
+from slotserve.model_store import DEFAULT_MODEL
+from slotserve.outputs import RequestOutput
+from slotserve.sampling_params import SamplingParams
+from slotserve.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+Message = dict[str, Any]
+
+
+class LLM:
+    """Loads a model once and runs batches of prompts or chats through the engine."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Completes each prompt (text or token ids); outputs come back in the prompts' order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = _per_prompt(sampling_params, len(prompts))
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(f"offline-{next(self._ids)}")
+                self.engine.add_request(ids[-1], prompt, p)
+        except ValueError:
+            self.engine.abort_request(ids)  # a bad prompt in the list leaves nothing half-queued
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | Sequence[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Renders each conversation with the model's chat template, then generates the reply."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.render_chat(c, chat_template_kwargs, tools, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def render_chat(self, messages: list[Message], chat_template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> str:
+        return self.engine.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yields the text of one completion piece by piece as the engine produces it."""
+        request_id = f"offline-{next(self._ids)}"
+        self.engine.add_request(request_id, prompt, sampling_params)
+        sent = 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        text = out.outputs[0].text
+                        if len(text) > sent:
+                            yield text[sent:]
+                            sent = len(text)
+        finally:
+            self.engine.abort_request(request_id)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm or len(request_ids) < 2)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+            self.engine.abort_request([i for i in request_ids if i not in done])
+        return [done[i] for i in request_ids]
+
+
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise ValueError(f"sampling_params: {len(params)} given for {count} prompts")
+    return list(params)
