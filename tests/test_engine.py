@@ -8,7 +8,6 @@ import torch
 
 from slotserve import LLM, SamplingParams
 from slotserve.config import EngineConfig
-from slotserve.engine.llm_engine import LLMEngine
 from tests.conftest import build_tiny_model
 
 PROMPTS = ["Hello there", "def fibonacci(n):", "The capital of France is", "1, 2, 3, 4,", "你好，世界"]
@@ -33,7 +32,7 @@ def _free_blocks(llm: LLM) -> int:
 
 
 def test_greedy_matches_transformers_generate(tiny, llm):
-    path, hf = tiny
+    _, hf = tiny
     for prompt in PROMPTS:
         ids = llm.get_tokenizer().encode(prompt)
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
@@ -82,6 +81,8 @@ def test_max_tokens_and_stop_token(llm):
     stopped = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop_id]))[0]
     assert stopped.outputs[0].token_ids == out.token_ids[:first + 1]
     assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].stop_reason == stop_id
+    # The stop token itself is not part of the text.
+    assert stopped.outputs[0].text == llm.get_tokenizer().decode(out.token_ids[:first])
 
 
 def test_stop_string_is_excluded(llm):
@@ -113,7 +114,8 @@ def test_logprobs_and_prompt_logprobs(llm):
     for token, position in zip(comp.token_ids, comp.logprobs, strict=True):
         assert token in position and position[token].rank == 1  # greedy picks the top token
         assert len(position) == 3
-    assert comp.cumulative_logprob == pytest.approx(sum(p[t].logprob for t, p in zip(comp.token_ids, comp.logprobs)))
+    chosen = [p[t].logprob for t, p in zip(comp.token_ids, comp.logprobs, strict=True)]
+    assert comp.cumulative_logprob == pytest.approx(sum(chosen))
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
     assert all(out.prompt_token_ids[i] in out.prompt_logprobs[i] for i in range(1, len(out.prompt_token_ids)))
 
@@ -134,7 +136,7 @@ def test_rejections_name_the_problem(llm):
     engine = llm.engine
     with pytest.raises(ValueError, match="prompt: must not be empty"):
         engine.add_request("e", "", SamplingParams())
-    with pytest.raises(ValueError, match="prompt: .* do not fit"):
+    with pytest.raises(ValueError, match=r"prompt: .* do not fit"):
         engine.add_request("long", [100] * engine.max_model_len, SamplingParams())
     with pytest.raises(ValueError, match="max_tokens"):
         engine.add_request("mt", PROMPTS[0], SamplingParams(max_tokens=engine.max_model_len))

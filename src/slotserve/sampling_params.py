@@ -120,8 +120,6 @@ def _check_float(name: str, value: Any, lo: float, hi: float | None = None, lo_o
     if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
         raise ValueError(f"{name}: must be a finite number, got {value!r}")
     if value < lo or (lo_open and value == lo) or (hi is not None and value > hi):
-        if hi is None:
-            allowed = f"{'>' if lo_open else '>='} {lo:g}"
-        else:
-            allowed = f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        low = ("> " if lo_open else ">= ") if hi is None else ("in (" if lo_open else "in [")
+        allowed = f"{low}{lo:g}" + ("" if hi is None else f", {hi:g}]")
         raise ValueError(f"{name}: must be {allowed}, got {value}")

@@ -119,7 +119,7 @@ class LLMEngine:
                params: SamplingParams, max_tokens: int) -> Request:
         if params.n > 1 and params.seed is not None:
             # Each of the n samples gets its own seeded stream; together they stay reproducible.
-            params = replace(params, seed=params.seed + index)
+            params = replace(params, seed=(params.seed + index) % 2**64)
         sampling = SamplingState.new(params, token_ids, self.eos_token_ids, self.model_config.vocab_size,
                                      self.device)
         return Request(
@@ -173,18 +173,19 @@ class LLMEngine:
         if req.params.logprobs is not None:
             req.logprobs = (req.logprobs or []) + [logprobs]
             req.cumulative_logprob += logprobs[token].logprob
-        update = req.detokenizer.update([token])
         params = req.params
         enough = len(req.output_token_ids) >= params.min_tokens
-        if update.stop_string is not None:
-            self.scheduler.finish(req, "stop", update.stop_string)
-        elif enough and not params.ignore_eos and token in self.eos_token_ids:
+        is_eos = enough and not params.ignore_eos and token in self.eos_token_ids
+        is_stop_token = enough and token in params.stop_token_ids
+        update = req.detokenizer.update([token], stop_terminated=is_eos or is_stop_token)
+        if is_eos:
             self.scheduler.finish(req, "stop")
-        elif enough and params.stop_token_ids and token in params.stop_token_ids:
+        elif is_stop_token:
             self.scheduler.finish(req, "stop", token)
+        elif update.stop_string is not None:
+            self.scheduler.finish(req, "stop", update.stop_string)
         elif len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
             self.scheduler.finish(req, "length")
-        if req.finished:
             req.detokenizer.flush()
 
     def _outputs(self, request_ids: set[str]) -> list[RequestOutput]:

@@ -48,57 +48,38 @@ def load_model(
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     cls = model_class(cfg.architecture)
-    # Built on the meta device so no time goes into random initialisation of weights we overwrite.
+    # Built on the meta device: no memory and no time go into weights the checkpoint replaces.
     with torch.device("meta"):
-        model = cls(cfg, max_position).to(dtype)
-    model.to_empty(device=device)
-    if cfg.tie_word_embeddings:  # to_empty unties shared parameters
-        model.lm_head.weight = model.model.embed_tokens.weight
-    load_weights(model, weight_files(path))
+        model = cls(cfg, max_position)
+    load_weights(model, weight_files(path), dtype, device)
     return model.eval(), cfg
 
 
-def load_weights(model: nn.Module, files: list[Path]) -> None:
-    """Copies every checkpoint tensor into its parameter (or its rows of a fused one), checking shapes
-    and that nothing is left unfilled."""
-    params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens
-    unfilled = {name: set(range(len(_shard_sizes(model, name)))) for name in params}
+def load_weights(model: nn.Module, files: list[Path], dtype: torch.dtype, device: torch.device) -> None:
+    """Replaces every meta parameter with its checkpoint tensor, checking names and shapes.
+
+    Tensors already in the wanted dtype on CPU stay views of the memory-mapped file (no copy, pages
+    shared with the OS cache), which is what makes a second load of a model take seconds."""
+    expected = {name: p.shape for name, p in model.named_parameters()}  # a tied lm_head appears once
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for key in tqdm(f.keys(), desc=f"Loading {file.name}", unit="tensor", leave=False):
-                    if key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and key not in params):
+                    if key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and key not in expected):
                         continue
-                    target, shard = _target(model, key)
-                    if target not in params:
+                    if key not in expected:
                         raise WeightsError(f"{file}: tensor {key!r} has no place in {type(model).__name__}")
-                    sizes = _shard_sizes(model, target)
-                    dest = params[target].data.narrow(0, sum(sizes[:shard]), sizes[shard])
                     tensor = f.get_tensor(key)
-                    if tuple(tensor.shape) != tuple(dest.shape):
+                    if tuple(tensor.shape) != tuple(expected[key]):
                         raise WeightsError(f"{file}: tensor {key!r} has shape {tuple(tensor.shape)}, "
-                                           f"the config implies {tuple(dest.shape)}")
-                    dest.copy_(tensor)
-                    unfilled[target].discard(shard)
+                                           f"the config implies {tuple(expected[key])}")
+                    module_name, _, param_name = key.rpartition(".")
+                    param = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
+                    setattr(model.get_submodule(module_name), param_name, param)
         except SafetensorError as e:
             raise WeightsError(f"{file}: cannot read safetensors ({e})") from None
-    missing = sorted(name for name, shards in unfilled.items() if shards)
+    model.tie_weights()
+    missing = sorted(name for name, p in model.named_parameters() if p.is_meta)
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise WeightsError(f"{files[0].parent}: checkpoint lacks {len(missing)} tensors: {shown}")
-
-
-def _target(model: nn.Module, key: str) -> tuple[str, int]:
-    """Checkpoint name -> (parameter name, shard index) through the model's fused projections."""
-    for part, (fused, shard) in getattr(model, "packed_modules", {}).items():
-        if f".{part}." in key:
-            return key.replace(f".{part}.", f".{fused}."), shard
-    return key, 0
-
-
-def _shard_sizes(model: nn.Module, param_name: str) -> list[int]:
-    """Leading-dimension sizes of the checkpoint tensors stacked into this parameter."""
-    for fused in {f for f, _ in getattr(model, "packed_modules", {}).values()}:
-        if f".{fused}." in param_name:
-            return model.shard_sizes(fused)
-    return [model.get_parameter(param_name).shape[0]]
