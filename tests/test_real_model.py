@@ -1,0 +1,54 @@
+"""The bundled default model (Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M) end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slotserve import LLM, SamplingParams
+from slotserve.engine.model_runner import ScheduledSeq
+from slotserve.model_store import DEFAULT_MODEL, assemble
+
+pytestmark = pytest.mark.real_model
+
+# Both sides dequantize the same GGUF blocks to float32; what remains is float32 summation order over
+# 24 layers, on logits of magnitude ~10-30.
+LOGIT_TOL = 2e-3
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(DEFAULT_MODEL, kv_cache_memory=256 << 20)
+
+
+def test_chat_answers_paris(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"  # ends on <|im_end|>, which is not in the text
+    assert "<|im_end|>" not in out.text
+
+
+def test_fibonacci_continues_with_python(llm):
+    text = llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=48))[0].outputs[0].text
+    assert "return" in text and "\n    " in text, text
+    body = "def fibonacci(n):" + text
+    assert "fibonacci(n - 1)" in body.replace("n-1", "n - 1") or "for " in body, body
+
+
+def test_first_positions_match_transformers_on_the_same_gguf(llm):
+    pytest.importorskip("gguf")
+    from transformers import AutoModelForCausalLM
+
+    gguf_path = assemble(DEFAULT_MODEL)
+    ref_model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    ids = llm.get_tokenizer().encode("def fibonacci(n):\n    if n")[:8]
+    assert len(ids) == 8
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([ids])).logits[0]
+    runner = llm.engine.runner
+    ours = runner.execute([ScheduledSeq(ids, 0, list(range(runner.num_blocks))[:1], logits="all")])[0]
+    assert ours.shape == ref.shape
+    assert (ours - ref).abs().max().item() <= LOGIT_TOL
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
