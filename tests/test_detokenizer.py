@@ -145,7 +145,8 @@ def test_decode_window_stays_short(garbage):
     detok.flush()
     assert detok.output_text == qwen().decode(ids)
     assert counter.longest <= 10
-    assert counter.calls <= 2 * len(ids) + 1
+    # A few short decodes per token at most (a split character costs up to 3 look-back decodes).
+    assert counter.calls <= 5 * len(ids) + 1
 
 
 # Pieces rather than characters: some are several code points, some split into several tokens.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+
 import pytest
 import torch
 
@@ -11,9 +13,9 @@ from slotserve.model_store import DEFAULT_MODEL, assemble
 
 pytestmark = pytest.mark.real_model
 
-# Both sides dequantize the same GGUF blocks to float32; what remains is float32 summation order over
-# 24 layers, on logits of magnitude ~10-30.
-LOGIT_TOL = 2e-3
+# Both sides dequantize the same GGUF blocks to float32 with gguf-py, so the weights are identical and
+# only float32 summation order may differ (measured here: max abs diff 0.0 on logits of magnitude ~22).
+LOGIT_TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +32,12 @@ def test_chat_answers_paris(llm):
 
 
 def test_fibonacci_continues_with_python(llm):
-    text = llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=48))[0].outputs[0].text
-    assert "return" in text and "\n    " in text, text
-    body = "def fibonacci(n):" + text
-    assert "fibonacci(n - 1)" in body.replace("n-1", "n - 1") or "for " in body, body
+    params = SamplingParams(temperature=0, max_tokens=160, stop=["\n\n"])
+    out = llm.generate("def fibonacci(n):", params)[0].outputs[0]
+    assert out.finish_reason == "stop", out.text  # the function ended with a blank line
+    body = "def fibonacci(n):" + out.text
+    tree = ast.parse(body)  # a complete, valid Python function
+    assert isinstance(tree.body[0], ast.FunctionDef) and any(isinstance(n, ast.Return) for n in ast.walk(tree))
 
 
 def test_first_positions_match_transformers_on_the_same_gguf(llm):
@@ -43,7 +47,7 @@ def test_first_positions_match_transformers_on_the_same_gguf(llm):
     gguf_path = assemble(DEFAULT_MODEL)
     ref_model = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    ids = llm.get_tokenizer().encode("def fibonacci(n):\n    if n")[:8]
+    ids = llm.get_tokenizer().encode("def fibonacci(n):\n    if n <= 1:\n        return n")[:8]
     assert len(ids) == 8
     with torch.no_grad():
         ref = ref_model(torch.tensor([ids])).logits[0]

@@ -80,20 +80,31 @@ class IncrementalDetokenizer:
 
     def _decode(self, final: bool) -> str:
         """Newly decodable text in the window; an incomplete trailing character waits unless `final`."""
-        if len(self._window) == self._read:
+        window = self._window
+        if len(window) == self._read:
             return ""
-        text = self._tokenizer.decode(self._window, skip_special_tokens=self._skip_special_tokens)
-        split_char = text.endswith(_REPLACEMENT)
-        if split_char and not final and len(self._window) - self._read <= _MAX_PENDING_TOKENS:
+        text = self._tokenizer.decode(window, skip_special_tokens=self._skip_special_tokens)
+        if final or not text.endswith(_REPLACEMENT):
+            return self._commit(len(window), text)
+        # A character is split across the last tokens: commit up to the last token that completes one.
+        # A UTF-8 character spans at most 4 tokens, so a few short decodes find the cut.
+        for cut in range(len(window) - 1, max(self._read, len(window) - 4), -1):
+            head = self._tokenizer.decode(window[:cut], skip_special_tokens=self._skip_special_tokens)
+            if not head.endswith(_REPLACEMENT):
+                return self._commit(cut, head)
+        if len(window) - self._read <= _MAX_PENDING_TOKENS:
             return ""
+        # Bytes that never form a character: commit them as U+FFFD and restart from nothing.
         delta = text[len(self._prefix_text):]
-        if split_char:
-            # Committed mid-character: restart decoding from nothing rather than from a broken prefix.
-            self._window, self._read, self._prefix_text = [], 0, ""
-        else:
-            self._window = self._window[self._read:]
-            self._read = len(self._window)
-            self._prefix_text = self._tokenizer.decode(self._window, skip_special_tokens=self._skip_special_tokens)
+        self._window, self._read, self._prefix_text = [], 0, ""
+        return delta
+
+    def _commit(self, cut: int, text: str) -> str:
+        """Commits window[:cut] (decoded as `text`); the tokens from the old read offset become the prefix."""
+        delta = text[len(self._prefix_text):]
+        self._window, self._read = self._window[self._read:], cut - self._read
+        self._prefix_text = self._tokenizer.decode(self._window[:self._read],
+                                                   skip_special_tokens=self._skip_special_tokens)
         return delta
 
     def _release(self, new_text: str, final: bool) -> DetokenizerUpdate:
