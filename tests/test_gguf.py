@@ -18,7 +18,9 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from slotserve.config import ModelConfig
 from slotserve.models import gguf as gguf_mod
-from slotserve.models.gguf import GGUFError, build_tokenizer, convert_gguf, hf_config, read_gguf
+from slotserve.models import gguf_reader
+from slotserve.models.gguf import build_tokenizer, convert_gguf, hf_config
+from slotserve.models.gguf_reader import GGUFError, read_gguf
 from slotserve.tokenizer import Tokenizer
 from tests.gguf_fixtures import QWEN3_TOKENIZER_JSON, TinyGGUF, hf_to_gguf_name, tiny_gguf
 
@@ -95,7 +97,7 @@ def test_thread_pool_gives_identical_weights(tmp_path, qwen2_converted):
 
 
 def test_large_tensors_are_dequantized_in_chunks(tmp_path, monkeypatch):
-    monkeypatch.setattr(gguf_mod, "_DEQUANT_CHUNK_ELEMENTS", 64 * 5)  # 5 rows of 64: ragged last chunk
+    monkeypatch.setattr(gguf_reader, "_DEQUANT_CHUNK_ELEMENTS", 64 * 5)  # 5 rows of 64: ragged last chunk
     tg, _ = tiny_gguf("qwen2")
     g = read_gguf(tg.write(tmp_path / "m.gguf"))
     assert g.tensors["blk.0.attn_k.weight"].row_chunks() == [(i, min(i + 5, 32)) for i in range(0, 32, 5)]

@@ -1,0 +1,62 @@
+"""The `slotserve` command in a subprocess, on a tiny random model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+TINY_ARGS = ["--kv-cache-memory", "8M", "--temperature", "0"]
+
+
+def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "slotserve.entrypoints.cli", *args], input=stdin,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("command", [[], ["generate"], ["chat"], ["models"], ["bench", "latency"]])
+def test_help(command):
+    result = run(*command, "--help")
+    assert result.returncode == 0 and "usage: slotserve" in result.stdout
+
+
+def test_generate_streams_the_same_text_as_the_api(tiny_qwen3):
+    from slotserve import LLM, SamplingParams
+
+    result = run("generate", "Hello there", "-m", str(tiny_qwen3), "--max-tokens", "8", *TINY_ARGS)
+    assert result.returncode == 0, result.stderr
+    llm = LLM(str(tiny_qwen3), kv_cache_memory=8 << 20)
+    params = SamplingParams(temperature=0, max_tokens=8, top_k=20, top_p=0.8, repetition_penalty=1.05)
+    assert result.stdout == llm.generate("Hello there", params)[0].outputs[0].text + "\n"
+
+
+def test_chat_keeps_the_conversation_and_exits(tiny_qwen3):
+    result = run("chat", "-m", str(tiny_qwen3), "--max-tokens", "4", "--no-think", *TINY_ARGS,
+                 stdin="Hi\nAnd again?\n/exit\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("> ") == 3  # two turns answered, then the prompt that read /exit
+
+
+def test_models_lists_the_default_alias():
+    result = run("models", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = {r["alias"]: r for r in json.loads(result.stdout)}
+    assert rows["qwen2.5-coder-0.5b"]["is_default"] and "qwen2.5-coder-1.5b" in rows
+
+
+def test_bench_latency_prints_json(tiny_qwen3):
+    result = run("bench", "latency", "-m", str(tiny_qwen3), "--kv-cache-memory", "8M",
+                 "--input-len", "32", "--output-len", "4", "--repeats", "1")
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["prefill_tokens_per_s"] > 0 and figures["decode_tokens_per_s"] > 0
+
+
+def test_errors_are_one_clear_line(tmp_path):
+    result = run("generate", "hi", "-m", str(tmp_path / "nowhere"))
+    assert result.returncode == 2
+    assert "slotserve: error:" in result.stderr and "Traceback" not in result.stderr
+    result = run("generate", "hi", "--temperature", "-1", "-m", str(tmp_path / "nowhere"))
+    assert result.returncode == 2
