@@ -114,6 +114,7 @@ def test_logprobs_and_prompt_logprobs(llm):
     for token, position in zip(comp.token_ids, comp.logprobs, strict=True):
         assert token in position and position[token].rank == 1  # greedy picks the top token
         assert len(position) == 3
+        assert position[token].decoded_token == llm.get_tokenizer().decode([token])
     chosen = [p[t].logprob for t, p in zip(comp.token_ids, comp.logprobs, strict=True)]
     assert comp.cumulative_logprob == pytest.approx(sum(chosen))
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(out.prompt_token_ids)

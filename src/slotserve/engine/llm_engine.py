@@ -125,6 +125,7 @@ class LLMEngine:
         return Request(
             request_id=request_id, index=index, prompt=text, prompt_token_ids=token_ids, params=params,
             sampling=sampling, detokenizer=IncrementalDetokenizer(self.tokenizer, params), max_tokens=max_tokens,
+            logprobs=[] if params.logprobs is not None else None,
         )
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -159,6 +160,8 @@ class LLMEngine:
         for req, seq_logits in zip(scheduled, logits, strict=True):
             if req.params.prompt_logprobs is not None and req.num_computed_tokens == 0:
                 req.prompt_logprobs = prompt_logprobs(seq_logits, req.prompt_token_ids, req.params.prompt_logprobs)
+                for position in req.prompt_logprobs:
+                    self._name_tokens(position)
             req.num_computed_tokens = req.num_tokens
         sampled = self.sampler(torch.cat([row[-1:] for row in logits]), [r.sampling for r in scheduled])
         now = time.monotonic()
@@ -171,7 +174,8 @@ class LLMEngine:
         req.sampling.append(token)
         req.first_token_time = req.first_token_time or now
         if req.params.logprobs is not None:
-            req.logprobs = (req.logprobs or []) + [logprobs]
+            self._name_tokens(logprobs)
+            req.logprobs.append(logprobs)
             req.cumulative_logprob += logprobs[token].logprob
         params = req.params
         enough = len(req.output_token_ids) >= params.min_tokens
@@ -187,6 +191,10 @@ class LLMEngine:
         elif len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
             self.scheduler.finish(req, "length")
             req.detokenizer.flush()
+
+    def _name_tokens(self, position: PositionLogprobs | None) -> None:
+        for token_id, entry in (position or {}).items():
+            entry.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _outputs(self, request_ids: set[str]) -> list[RequestOutput]:
         outputs = []
