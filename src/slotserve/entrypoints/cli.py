@@ -42,6 +42,13 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int | None) -> None:
     g.add_argument("--seed", type=int, default=None, help="seed of the sampling for reproducible output")
 
 
+def _chat_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("chat")
+    g.add_argument("--system", default=None, help="system message")
+    g.add_argument("--chat-template-kwargs", default=None, help='JSON, e.g. \'{"enable_thinking": false}\'')
+    g.add_argument("--no-think", action="store_true", help="Qwen3: disable thinking (enable_thinking=false)")
+
+
 def _size(text: str) -> int:
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
     text = text.strip().lower().removesuffix("b").removesuffix("i")
@@ -134,10 +141,10 @@ def cmd_models(args: argparse.Namespace) -> int:
         print(json.dumps([vars(r) for r in rows], default=str))
         return 0
     print(f"cache: {cache_dir()}")
-    print(f"{'alias':24} {'size':>9}  {'installed':9}  {'ready':5}  description")
+    print(f"{'alias':30} {'size':>9}  {'installed':9}  {'ready':5}  description")
     for r in rows:
         name = r.alias + (" (default)" if r.is_default else "")
-        print(f"{name:24} {r.size / 1e6:7.0f}MB  {'yes' if r.installed else 'no':9}  "
+        print(f"{name:30} {r.size / 1e6:7.0f}MB  {'yes' if r.installed else 'no':9}  "
               f"{'yes' if r.converted else 'no':5}  {r.description}")
     return 0
 
@@ -158,17 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="complete one prompt and print it as it is generated")
     p.add_argument("prompt")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    p.add_argument("--system", default=None, help="system message (with --chat)")
-    p.add_argument("--chat-template-kwargs", default=None, help='JSON, e.g. \'{"enable_thinking": false}\'')
-    p.add_argument("--no-think", action="store_true", help="Qwen3: disable thinking (enable_thinking=false)")
+    _chat_args(p)
     _engine_args(p)
     _sampling_args(p, max_tokens=256)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive chat in the terminal (streams replies, keeps the conversation)")
-    p.add_argument("--system", default=None, help="system message")
-    p.add_argument("--chat-template-kwargs", default=None, help='JSON, e.g. \'{"enable_thinking": false}\'')
-    p.add_argument("--no-think", action="store_true", help="Qwen3: disable thinking (enable_thinking=false)")
+    _chat_args(p)
     _engine_args(p)
     _sampling_args(p, max_tokens=1024)
     p.set_defaults(func=cmd_chat)
