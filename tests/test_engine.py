@@ -28,7 +28,7 @@ def llm(tiny):
 
 
 def _free_blocks(llm: LLM) -> int:
-    return llm.engine.scheduler.pool.num_free
+    return llm.engine.kv.pool.num_free
 
 
 def test_greedy_matches_transformers_generate(tiny, llm):
@@ -45,7 +45,7 @@ def test_batch_equals_one_at_a_time(llm):
     alone = [llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
     together = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     assert together == alone
-    assert llm.engine.stats().running == 0 and _free_blocks(llm) == llm.engine.scheduler.pool.num_blocks
+    assert llm.engine.stats().running == 0 and _free_blocks(llm) == llm.engine.kv.pool.num_blocks
 
 
 def test_token_id_prompt_equals_text_prompt(llm):
@@ -123,7 +123,7 @@ def test_logprobs_and_prompt_logprobs(llm):
 
 def test_abort_frees_blocks(llm):
     engine = llm.engine
-    total = engine.scheduler.pool.num_blocks
+    total = engine.kv.pool.num_blocks
     engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True))
     engine.add_request("b", PROMPTS[1], SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()

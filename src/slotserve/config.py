@@ -173,6 +173,8 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: 1 GiB on CPU, 90 % of free memory on CUDA
     max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024  # tokens computed per step; longer prompts are prefilled in chunks
+    enable_prefix_caching: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -180,7 +182,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
-        for name in ("block_size", "max_num_seqs"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")

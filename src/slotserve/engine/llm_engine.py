@@ -13,7 +13,7 @@ from slotserve.engine.detokenizer import IncrementalDetokenizer
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
 from slotserve.engine.request import Request
 from slotserve.engine.scheduler import Scheduler
-from slotserve.kv_cache.block_pool import BlockPool
+from slotserve.kv_cache.manager import KVCacheManager
 from slotserve.layers.sampler import Sampler, SamplingState, prompt_logprobs
 from slotserve.model_store import resolve_model
 from slotserve.models.loader import load_model
@@ -33,6 +33,8 @@ class EngineStats:
     kv_cache_usage: float
     num_blocks: int
     max_model_len: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
 
 
 @dataclass
@@ -65,7 +67,8 @@ class LLMEngine:
             raise ValueError(f"kv_cache_memory: {budget} bytes cannot hold one block of {bytes_per_block} bytes")
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, num_blocks * config.block_size)
         self.runner = ModelRunner(self.model, cfg, num_blocks, config.block_size)
-        self.scheduler = Scheduler(BlockPool(num_blocks), config.block_size, config.max_num_seqs)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
         self._groups: dict[str, _Group] = {}
         self.load_seconds = time.perf_counter() - start
@@ -126,6 +129,7 @@ class LLMEngine:
             request_id=request_id, index=index, prompt=text, prompt_token_ids=token_ids, params=params,
             sampling=sampling, detokenizer=IncrementalDetokenizer(self.tokenizer, params), max_tokens=max_tokens,
             logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -139,35 +143,49 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0
 
     def stats(self) -> EngineStats:
-        pool = self.scheduler.pool
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), pool.usage, pool.num_blocks,
-                           self.max_model_len)
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.pool.usage, num_blocks=self.kv.pool.num_blocks, max_model_len=self.max_model_len,
+            prefix_cache_hit_rate=self.kv.stats.hit_rate, num_preemptions=self.scheduler.num_preemptions,
+        )
 
     # ---- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """One forward pass over every scheduled request; returns the requests that progressed."""
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
             return []
         seqs = []
-        for req in scheduled:
-            prefill = req.num_computed_tokens == 0
-            wants_all = prefill and req.params.prompt_logprobs is not None
-            seqs.append(ScheduledSeq(req.all_token_ids[req.num_computed_tokens:], req.num_computed_tokens,
-                                     req.block_table, logits="all" if wants_all else "last"))
+        for req, num_new in plan.scheduled:
+            start = req.num_computed_tokens
+            samples = start + num_new == req.num_tokens
+            scores_prompt = req.prompt_logprobs is not None and len(req.prompt_logprobs) < len(req.prompt_token_ids)
+            seqs.append(ScheduledSeq(req.all_token_ids[start:start + num_new], start, req.block_table,
+                                     logits="all" if scores_prompt else "last" if samples else "none"))
         logits = self.runner.execute(seqs)
-        for req, seq_logits in zip(scheduled, logits, strict=True):
-            if req.params.prompt_logprobs is not None and req.num_computed_tokens == 0:
-                req.prompt_logprobs = prompt_logprobs(seq_logits, req.prompt_token_ids, req.params.prompt_logprobs)
-                for position in req.prompt_logprobs:
-                    self._name_tokens(position)
-            req.num_computed_tokens = req.num_tokens
-        sampled = self.sampler(torch.cat([row[-1:] for row in logits]), [r.sampling for r in scheduled])
-        now = time.monotonic()
-        for i, req in enumerate(scheduled):
-            self._append(req, sampled.token_ids[i], sampled.logprobs[i], now)
-        return self._outputs({req.request_id for req in scheduled})
+        sampling: list[tuple[Request, torch.Tensor]] = []
+        for (req, num_new), seq, seq_logits in zip(plan.scheduled, seqs, logits, strict=True):
+            if seq.logits == "all":
+                self._score_prompt(req, seq.start_pos, seq_logits)
+            req.num_computed_tokens += num_new
+            self.kv.register_full_blocks(req)
+            if req.num_computed_tokens == req.num_tokens:
+                sampling.append((req, seq_logits[-1:]))
+        if sampling:
+            sampled = self.sampler(torch.cat([row for _, row in sampling]), [r.sampling for r, _ in sampling])
+            now = time.monotonic()
+            for i, (req, _) in enumerate(sampling):
+                self._append(req, sampled.token_ids[i], sampled.logprobs[i], now)
+        return self._outputs({req.request_id for req, _ in sampling})
+
+    def _score_prompt(self, req: Request, start: int, rows: torch.Tensor) -> None:
+        """Prompt logprobs of the positions this chunk predicts (row j scores prompt token start + j + 1)."""
+        tokens = req.prompt_token_ids[start:start + len(rows) + 1]
+        entries = prompt_logprobs(rows[:len(tokens) - 1], tokens, req.params.prompt_logprobs)
+        for position in entries[1:]:
+            self._name_tokens(position)
+        req.prompt_logprobs += entries[1:] if start else entries
 
     def _append(self, req: Request, token: int, logprobs: PositionLogprobs | None, now: float) -> None:
         req.output_token_ids.append(token)

@@ -31,8 +31,12 @@ class Request:
     detokenizer: IncrementalDetokenizer
     max_tokens: int  # resolved against the context limit at admission
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens whose K/V are in this request's blocks
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
+    num_registered_blocks: int = 0  # leading blocks already in the prefix cache
+    num_cached_tokens: int = 0  # tokens taken from the prefix cache instead of computed
+    num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None

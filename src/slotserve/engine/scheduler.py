@@ -1,42 +1,84 @@
-"""First-come-first-served admission into a bounded running set.
+"""Which requests compute which tokens this step.
 
-A request is admitted only when the blocks for its whole context (prompt + max_tokens) are free,
-so a running request never runs out of cache. Each step prefills the newly admitted requests
-whole and decodes one token for every other running request, all in one flat batch.
+FCFS: a waiting queue and a running list, bounded by `max_num_seqs` and a per-step token budget
+(`max_num_batched_tokens`). Running requests go first (one decode token each, or the next chunk of a
+long prompt), so they keep streaming while a new prompt is prefilled in chunks. Blocks are taken on
+demand; when they run out, the newest running request is preempted: its blocks are freed and it
+waits at the head of the queue to be recomputed later (its full blocks often survive in the prefix
+cache, which makes the recompute cheap).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
 from slotserve.engine.request import Request, RequestStatus
-from slotserve.kv_cache.block_pool import BlockPool
+from slotserve.kv_cache.manager import KVCacheManager
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens to compute)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int) -> None:
-        self.pool, self.block_size, self.max_num_seqs = pool, block_size, max_num_seqs
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def schedule(self) -> list[Request]:
-        """The requests that run this step: all running ones plus those admitted now."""
-        while self.waiting and len(self.running) < self.max_num_seqs:
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate(request, num_new):
+                victim = self.running.pop()  # newest; never one already scheduled this step
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append((request, num_new))
+                budget -= num_new
+                i += 1
+        # Admitting while preempting would only make the next preemption come sooner.
+        while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            needed = self.blocks_for(len(request.prompt_token_ids) + request.max_tokens)
-            if needed > self.pool.num_free:
+            cached = self.kv.cached_prefix(request)  # waiting requests have nothing computed
+            remaining = request.num_tokens - request.num_computed_tokens - len(cached) * self.kv.block_size
+            num_new = min(remaining, budget)
+            if not self.kv.allocate(request, num_new, cached):
                 break  # FCFS: later requests wait behind the head instead of overtaking it
             self.waiting.popleft()
-            request.block_table = self.pool.allocate(needed)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-        return list(self.running)
+            out.scheduled.append((request, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        if request.prompt_logprobs is not None and len(request.prompt_logprobs) < len(request.prompt_token_ids):
+            request.prompt_logprobs = []  # recomputed from the start with the prompt
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
 
     def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """Ends a request in any state and returns its blocks to the pool."""
@@ -44,8 +86,7 @@ class Scheduler:
             self.waiting.remove(request)
         elif request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-            self.pool.free(request.block_table)
-            request.block_table = []
+        self.kv.free(request)
         request.finish(reason, stop_reason)
 
     @property

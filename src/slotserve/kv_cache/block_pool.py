@@ -1,8 +1,23 @@
-"""The pool of fixed-size KV cache blocks: every block is either free or owned by one request."""
+"""The pool of fixed-size KV cache blocks: reference-counted, with full blocks reusable by content.
+
+Every block is in exactly one of two states: owned (ref_count > 0, by one or more requests sharing a
+prefix) or free (ref_count == 0, in the free queue). A free block may still hold a cached prefix: it
+keeps its hash until it is handed out again, so a later request with the same tokens can take it
+back. The free queue is least-recently-used first, so eviction takes the block unused the longest.
+"""
 
 from __future__ import annotations
 
-import heapq
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # set once the block is full and registered in the prefix cache
+    token_ids: tuple[int, ...] | None = None  # its tokens, to verify a hash hit
 
 
 class BlockPool:
@@ -10,9 +25,9 @@ class BlockPool:
         if num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        # A heap hands out the lowest free ids first, so a request's blocks tend to be consecutive
-        # and attention reads them in place instead of gathering.
-        self._free: list[int] = list(range(num_blocks))
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[int, Block] = {}
 
     @property
     def num_free(self) -> int:
@@ -23,10 +38,61 @@ class BlockPool:
         return 1.0 - self.num_free / self.num_blocks
 
     def allocate(self, count: int) -> list[int]:
+        """Hands out `count` free blocks (evicting whatever prefix they cached) with ref_count 1."""
         if count > len(self._free):
             raise MemoryError(f"KV cache: {count} blocks requested, {len(self._free)} free")
-        return [heapq.heappop(self._free) for _ in range(count)]
+        ids = []
+        for _ in range(count):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                del self._cached[block.hash]
+                block.hash = block.token_ids = None
+            block.ref_count = 1
+            ids.append(block_id)
+        return ids
 
-    def free(self, blocks: list[int]) -> None:
-        for block in blocks:
-            heapq.heappush(self._free, block)
+    def free(self, block_ids: list[int]) -> None:
+        """Drops one reference to each block. The last blocks of a sequence are queued first, so they
+        are evicted before the shared beginning of the prefix."""
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"KV cache: block {block_id} freed more often than allocated")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> int | None:
+        """The block caching exactly these tokens after this prefix, if any."""
+        block = self._cached.get(block_hash)
+        if block is None or block.token_ids != token_ids:  # a hash collision is a miss
+            return None
+        return block.block_id
+
+    def touch(self, block_ids: list[int]) -> None:
+        """Takes a reference to cached blocks found by `lookup` (taking them off the free queue)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+
+    def cache(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
+        """Registers a full, computed block under the hash of its prefix."""
+        block = self.blocks[block_id]
+        if block.hash is not None or block_hash in self._cached:
+            return  # already registered, or the same content lives in another block
+        block.hash, block.token_ids = block_hash, token_ids
+        self._cached[block_hash] = block
+
+    def num_evictable(self, block_ids: list[int]) -> int:
+        """How many of these blocks sit in the free queue (a `touch` takes them out of it)."""
+        return sum(1 for b in block_ids if self.blocks[b].ref_count == 0)
+
+    def check_whole(self) -> None:
+        """Every block is free or cached-and-unreferenced: nothing leaked, nothing double-freed."""
+        owned = [b.block_id for b in self.blocks if b.ref_count != 0]
+        if owned or len(self._free) != self.num_blocks:
+            raise AssertionError(f"KV cache: blocks still referenced: {owned[:10]}; "
+                                 f"{len(self._free)} of {self.num_blocks} in the free queue")
