@@ -26,6 +26,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=_size, default=None, help="KV cache size, e.g. 512M or 2G")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=1024,
+                   help="tokens computed per step; longer prompts are prefilled in chunks")
+    g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int | None) -> None:
@@ -64,7 +67,9 @@ def _make_llm(args: argparse.Namespace):
     from slotserve import LLM
 
     return LLM(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-               kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs)
+               kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens,
+               enable_prefix_caching=not args.no_prefix_caching)
 
 
 def _params(args: argparse.Namespace):
@@ -150,9 +155,14 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from slotserve.bench.latency import run_latency
+    if args.bench == "latency":
+        from slotserve.bench.latency import run_latency
 
-    result = run_latency(_make_llm, args, started=_STARTED)
+        result = run_latency(_make_llm, args, started=_STARTED)
+    else:
+        from slotserve.bench.throughput import run_throughput
+
+        result = run_throughput(_make_llm(args).engine, args)
     print(json.dumps(result))
     return 0
 
@@ -186,6 +196,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--input-len", type=int, default=512, help="prompt tokens for the prefill figure")
     b.add_argument("--output-len", type=int, default=128, help="tokens decoded for the decode figure")
     b.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the median is reported")
+    _engine_args(b)
+    b.set_defaults(func=cmd_bench)
+    b = bench.add_parser("throughput", help="many requests at once vs one at a time; output tokens/s")
+    b.add_argument("--num-prompts", type=int, default=32, help="requests in the batched run")
+    b.add_argument("--input-len", type=int, default=128, help="prompt tokens of each random prompt")
+    b.add_argument("--output-len", type=int, default=128, help="tokens generated per request (ignore_eos)")
+    b.add_argument("--baseline-prompts", type=int, default=4, help="requests timed one at a time")
+    b.add_argument("--prompts-file", default=None, help="text file, one prompt per line, instead of random ones")
+    b.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     _engine_args(b)
     b.set_defaults(func=cmd_bench)
     return parser

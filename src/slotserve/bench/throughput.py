@@ -1,0 +1,107 @@
+"""`slotserve bench throughput`: many requests through the batching engine, against the
+one-at-a-time path and the bare single-sequence path, all measured in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slotserve.engine.llm_engine import LLMEngine
+from slotserve.engine.model_runner import ScheduledSeq
+from slotserve.sampling_params import SamplingParams
+
+_ids = iter(range(1 << 62))  # request ids unique across the runs of one benchmark
+
+
+def _prompts(engine: LLMEngine, args: argparse.Namespace, count: int, rng: random.Random) -> list[list[int]]:
+    if args.prompts_file:
+        lines = [ln for ln in Path(args.prompts_file).read_text().splitlines() if ln.strip()]
+        if not lines:
+            raise ValueError(f"prompts_file: {args.prompts_file} holds no prompts")
+        return [engine.tokenizer.encode(lines[i % len(lines)]) for i in range(count)]
+    # Ordinary vocabulary ids, different per prompt so the prefix cache does not flatter the figure.
+    return [[rng.randrange(1000, 100_000) for _ in range(args.input_len)] for _ in range(count)]
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], output_len: int, one_at_a_time: bool) -> dict[str, float]:
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    output_tokens = 0
+    batches = [[p] for p in prompts] if one_at_a_time else [prompts]
+    for batch in batches:
+        for prompt in batch:
+            engine.add_request(f"bench-{next(_ids)}", prompt, params)
+        while engine.has_unfinished_requests():
+            output_tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    seconds = time.perf_counter() - start
+    input_tokens = sum(len(p) for p in prompts)
+    return {
+        "requests": len(prompts), "input_tokens": input_tokens, "output_tokens": output_tokens,
+        "seconds": round(seconds, 3), "output_tokens_per_s": round(output_tokens / seconds, 2),
+        "total_tokens_per_s": round((input_tokens + output_tokens) / seconds, 2),
+    }
+
+
+def _decode_rate_engine(engine: LLMEngine, prompt: list[int], steps: int) -> float:
+    """Decode tokens/s of one request through the whole engine (scheduler, sampler, detokenizer)."""
+    engine.add_request(f"bench-{next(_ids)}", prompt, SamplingParams(temperature=0, max_tokens=steps + 1,
+                                                                     ignore_eos=True))
+    engine.step()  # prefill
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return steps / (time.perf_counter() - start)
+
+
+def _decode_rate_bare(engine: LLMEngine, prompt: list[int], steps: int) -> float:
+    """Decode tokens/s of the bare single-sequence path: model runner and argmax, nothing else."""
+    runner = engine.runner
+    blocks = engine.kv.pool.allocate(engine.kv.blocks_for(len(prompt) + steps + 1))
+    try:
+        token = int(runner.execute([ScheduledSeq(prompt, 0, blocks)])[0][0].argmax())
+        start = time.perf_counter()
+        for pos in range(len(prompt), len(prompt) + steps):
+            token = int(runner.execute([ScheduledSeq([token], pos, blocks)])[0][0].argmax())
+        return steps / (time.perf_counter() - start)
+    finally:
+        engine.kv.pool.free(blocks)
+
+
+def run_throughput(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    batched_prompts = _prompts(engine, args, args.num_prompts, rng)
+    _run(engine, _prompts(engine, args, 1, rng), 4, one_at_a_time=True)  # warm-up
+    print(f"batched: {args.num_prompts} requests ...", file=sys.stderr)
+    batched = _run(engine, batched_prompts, args.output_len, one_at_a_time=False)
+    print(f"one at a time: {args.baseline_prompts} requests ...", file=sys.stderr)
+    alone = _run(engine, _prompts(engine, args, args.baseline_prompts, rng), args.output_len, one_at_a_time=True)
+    decode_prompt = _prompts(engine, args, 1, rng)[0][:16]
+    engine_rate = _decode_rate_engine(engine, decode_prompt, args.output_len)
+    bare_rate = _decode_rate_bare(engine, decode_prompt, args.output_len)
+    peak = (torch.cuda.max_memory_allocated() if engine.device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return {
+        "bench": "throughput",
+        "model": engine.config.model,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "input_len": args.input_len if not args.prompts_file else None,
+        "output_len": args.output_len,
+        **batched,
+        "one_at_a_time": alone,
+        "speedup_vs_one_at_a_time": round(batched["output_tokens_per_s"] / alone["output_tokens_per_s"], 2),
+        "batch1_decode_tokens_per_s": round(engine_rate, 2),
+        "single_sequence_decode_tokens_per_s": round(bare_rate, 2),
+        "batch1_vs_single_sequence": round(engine_rate / bare_rate, 3),
+        "prefix_cache_hit_rate": round(engine.kv.stats.hit_rate, 3),
+        "preemptions": engine.scheduler.num_preemptions,
+        "peak_memory_bytes": peak,
+        "peak_memory_kind": "cuda_allocated" if engine.device.type == "cuda" else "process_max_rss",
+    }
