@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from slotserve.config import ModelConfig
-from slotserve.layers.attention import Attention, AttentionMetadata
+from slotserve.layers.attention import Attention, AttentionMetadata, GatherWorkspace
 
 
 @dataclass
@@ -32,9 +32,11 @@ class KVCacheFullError(RuntimeError):
 class ModelRunner:
     """Owns the model and its paged KV cache; stateless across steps beyond the cache contents."""
 
-    def __init__(self, model: nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int) -> None:
-        self.model, self.cfg = model, cfg
+    def __init__(self, model: nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
+                 decode_mode: str = "batched") -> None:
+        self.model, self.cfg, self.decode_mode = model, cfg, decode_mode
         self.block_size, self.num_blocks = block_size, num_blocks
+        self.workspace = GatherWorkspace()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         shape = (cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
@@ -76,6 +78,8 @@ class ModelRunner:
             slot_mapping=as_tensor(slots),
             block_tables=[s.block_table for s in seqs],
             block_size=self.block_size,
+            decode_mode=self.decode_mode,
+            workspace=self.workspace,
         )
         hidden = self.model(as_tensor(input_ids), as_tensor(positions), meta)
         wanted = [i for r in rows for i in r]

@@ -159,6 +159,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from slotserve.bench.latency import run_latency
 
         result = run_latency(_make_llm, args, started=_STARTED)
+    elif args.bench == "attention":
+        from slotserve.bench.attention import run_attention
+
+        result = run_attention(args)
     else:
         from slotserve.bench.throughput import run_throughput
 
@@ -197,6 +201,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--output-len", type=int, default=128, help="tokens decoded for the decode figure")
     b.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the median is reported")
     _engine_args(b)
+    b.set_defaults(func=cmd_bench)
+    b = bench.add_parser("attention", help="decode attention over the paged cache: ways of reading it")
+    b.add_argument("--num-seqs", type=int, default=16)
+    b.add_argument("--context-len", type=int, default=750)
+    b.add_argument("--block-size", type=int, default=16)
+    b.add_argument("--num-heads", type=int, default=16)
+    b.add_argument("--num-kv-heads", type=int, default=8)
+    b.add_argument("--head-dim", type=int, default=128)
+    b.add_argument("--repeats", type=int, default=20)
     b.set_defaults(func=cmd_bench)
     b = bench.add_parser("throughput", help="many requests at once vs one at a time; output tokens/s")
     b.add_argument("--num-prompts", type=int, default=32, help="requests in the batched run")

@@ -3,6 +3,14 @@
 Every layer's cache is a pair of tensors [num_slots, kv_heads, head_dim] where a slot is
 `block * block_size + offset`. The model runner says, per step, where each new token's K/V goes
 (`slot_mapping`) and which blocks hold each sequence's history (`block_tables`).
+
+How the history is read (`slotserve bench attention` measures the choices on this machine):
+- a sequence whose blocks are consecutive is one slice of the cache, read in place, no copy;
+- decode rows (one new token) of the other sequences are batched: one gather of all their contexts,
+  padded, and one SDPA call for all of them, instead of a gather and a call per sequence;
+- prefill chunks attend one sequence at a time (their queries make the call worth its overhead).
+This backend is plain `torch` (SDPA), so it runs on CUDA too; a fused paged kernel would slot in
+behind the same `AttentionMetadata`.
 """
 
 from __future__ import annotations
@@ -13,6 +21,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+DECODE_MODES = ("batched", "per_seq")
+
+
+class GatherWorkspace:
+    """Scratch buffers that gathered K/V land in, reused by every layer and every step.
+
+    A fresh multi-MB tensor per gather page-faults all of its memory each time (glibc maps large
+    allocations anew); gathering into memory that is already mapped is several times faster here."""
+
+    def __init__(self) -> None:
+        self._k = self._v = torch.empty(0)
+
+    def take(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two [rows, *like.shape[1:]] buffers; valid until the next call."""
+        if self._k.shape[0] < rows or self._k.shape[1:] != like.shape[1:] or self._k.dtype != like.dtype:
+            shape = (max(rows, 2 * self._k.shape[0]), *like.shape[1:])
+            self._k = torch.empty(shape, dtype=like.dtype, device=like.device)
+            self._v = torch.empty_like(self._k)
+        return self._k[:rows], self._v[:rows]
+
+
+@dataclass
+class DecodeBatch:
+    """Decode rows read through one padded gather: row i attends to slots[i, :seq_len_i]."""
+
+    rows: torch.Tensor  # [B] query rows in the flat batch
+    slots: torch.Tensor  # [B, max_len] cache slots, padded with slot 0
+    mask: torch.Tensor | None  # [B, 1, 1, max_len] True where a slot is real; None when none is padding
+
 
 @dataclass
 class AttentionMetadata:
@@ -21,7 +58,9 @@ class AttentionMetadata:
     query_start: list[int]  # len = num_seqs + 1
     seq_lens: list[int]  # tokens in context after this step (history + new), per sequence
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
-    context: list[slice | torch.Tensor]  # per sequence, the cache slots of its whole context
+    context: list[slice | torch.Tensor | None]  # per sequence its context's slots; None: in `decode`
+    decode: DecodeBatch | None = None
+    workspace: GatherWorkspace | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -30,25 +69,58 @@ class AttentionMetadata:
     @classmethod
     def build(
         cls, query_lens: list[int], seq_lens: list[int], slot_mapping: torch.Tensor,
-        block_tables: list[list[int]], block_size: int,
+        block_tables: list[list[int]], block_size: int, decode_mode: str = "batched",
+        workspace: GatherWorkspace | None = None,
     ) -> AttentionMetadata:
+        if decode_mode not in DECODE_MODES:
+            raise ValueError(f"decode_mode: must be one of {DECODE_MODES}, got {decode_mode!r}")
+        device = slot_mapping.device
         query_start = [0]
         for n in query_lens:
             query_start.append(query_start[-1] + n)
-        device = slot_mapping.device
-        context = [_context_slots(t, n, block_size, device) for t, n in zip(block_tables, seq_lens, strict=True)]
-        return cls(query_start, list(seq_lens), slot_mapping, context)
+        context: list[slice | torch.Tensor | None] = []
+        batched: list[int] = []
+        for i, (table, length) in enumerate(zip(block_tables, seq_lens, strict=True)):
+            start = _consecutive_start(table, length, block_size)
+            if start is not None:
+                context.append(slice(start, start + length))
+            elif decode_mode == "batched" and query_lens[i] == 1:
+                context.append(None)
+                batched.append(i)
+            else:
+                context.append(_slots(table, length, block_size, device))
+        decode = _decode_batch([query_start[i] for i in batched], [block_tables[i] for i in batched],
+                               [seq_lens[i] for i in batched], block_size, device) if batched else None
+        return cls(query_start, list(seq_lens), slot_mapping, context, decode, workspace or GatherWorkspace())
 
 
-def _context_slots(blocks: list[int], length: int, block_size: int, device: torch.device) -> slice | torch.Tensor:
-    # Consecutive blocks are one slice of the cache, read in place; others need a gather.
-    needed = (length + block_size - 1) // block_size
+def _consecutive_start(blocks: list[int], length: int, block_size: int) -> int | None:
+    needed = -(-length // block_size)
     if all(blocks[j + 1] == blocks[j] + 1 for j in range(needed - 1)):
-        start = blocks[0] * block_size
-        return slice(start, start + length)
-    block_ids = torch.tensor(blocks[:needed], device=device)
-    slots = block_ids[:, None] * block_size + torch.arange(block_size, device=device)
-    return slots.flatten()[:length]
+        return blocks[0] * block_size
+    return None
+
+
+def _slots(blocks: list[int], length: int, block_size: int, device: torch.device) -> torch.Tensor:
+    block_ids = torch.tensor(blocks[: -(-length // block_size)], device=device)
+    return (block_ids[:, None] * block_size + torch.arange(block_size, device=device)).flatten()[:length]
+
+
+def _decode_batch(rows: list[int], tables: list[list[int]], lengths: list[int], block_size: int,
+                  device: torch.device) -> DecodeBatch:
+    max_blocks = -(-max(lengths) // block_size)
+    padded = torch.zeros(len(tables), max_blocks, dtype=torch.long)
+    for i, (table, length) in enumerate(zip(tables, lengths, strict=True)):
+        used = -(-length // block_size)
+        padded[i, :used] = torch.tensor(table[:used])
+    padded = padded.to(device)
+    offsets = torch.arange(block_size, device=device)
+    slots = (padded[:, :, None] * block_size + offsets).reshape(len(tables), -1)[:, : max(lengths)]
+    mask = None
+    if min(lengths) != max(lengths):
+        lens = torch.tensor(lengths, device=device)
+        mask = (torch.arange(max(lengths), device=device)[None, :] < lens[:, None])[:, None, None, :]
+    return DecodeBatch(torch.tensor(rows, device=device), slots, mask)
 
 
 class Attention(nn.Module):
@@ -58,6 +130,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        self.gqa = num_heads != num_kv_heads
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -65,16 +138,23 @@ class Attention(nn.Module):
         self.k_cache.index_copy_(0, meta.slot_mapping, k)
         self.v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
-        for i in range(meta.num_seqs):
+        for i, slots in enumerate(meta.context):
+            if slots is None:
+                continue
             start, end = meta.query_start[i], meta.query_start[i + 1]
-            keys, values = self._context(meta.context[i])
+            keys, values = self._read(slots, meta.workspace)
             out[start:end] = self._attend(q[start:end], keys, values)
+        if meta.decode is not None:
+            out[meta.decode.rows] = self._attend_decode(q, meta.decode, meta.workspace)
         return out
 
-    def _context(self, slots: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read(self, slots: slice | torch.Tensor, workspace: GatherWorkspace) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(slots, slice):
             return self.k_cache[slots], self.v_cache[slots]
-        return self.k_cache.index_select(0, slots), self.v_cache.index_select(0, slots)
+        keys, values = workspace.take(len(slots), self.k_cache)
+        torch.index_select(self.k_cache, 0, slots, out=keys)
+        torch.index_select(self.v_cache, 0, slots, out=values)
+        return keys, values
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         num_q, num_k = q.shape[0], k.shape[0]
@@ -85,7 +165,15 @@ class Attention(nn.Module):
             mask = torch.arange(num_k, device=q.device)[None, :] <= rows
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
+            attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=self.gqa,
         )
         return out.squeeze(0).transpose(0, 1)
 
+    def _attend_decode(self, q: torch.Tensor, batch: DecodeBatch, workspace: GatherWorkspace) -> torch.Tensor:
+        shape = (*batch.slots.shape, self.num_kv_heads, self.head_dim)
+        keys, values = self._read(batch.slots.flatten(), workspace)
+        keys = keys.view(shape).transpose(1, 2)  # [B, kv_heads, max_len, head_dim]
+        values = values.view(shape).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q[batch.rows].unsqueeze(2), keys, values, attn_mask=batch.mask,
+                                             scale=self.scale, enable_gqa=self.gqa)
+        return out.squeeze(2)
