@@ -16,7 +16,8 @@ def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("command", [[], ["generate"], ["chat"], ["models"], ["bench", "latency"]])
+@pytest.mark.parametrize("command", [[], ["generate"], ["chat"], ["models"], ["bench", "latency"],
+                                     ["bench", "throughput"], ["bench", "attention"]])
 def test_help(command):
     result = run(*command, "--help")
     assert result.returncode == 0 and "usage: slotserve" in result.stdout
@@ -52,6 +53,18 @@ def test_bench_latency_prints_json(tiny_qwen3):
     assert result.returncode == 0, result.stderr
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["prefill_tokens_per_s"] > 0 and figures["decode_tokens_per_s"] > 0
+
+
+def test_bench_throughput_and_attention_print_json(tiny_qwen3):
+    result = run("bench", "throughput", "-m", str(tiny_qwen3), "--kv-cache-memory", "8M", "--num-prompts", "4",
+                 "--input-len", "16", "--output-len", "4", "--baseline-prompts", "2")
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["requests"] == 4 and figures["output_tokens"] == 16
+    assert figures["one_at_a_time"]["requests"] == 2 and figures["speedup_vs_one_at_a_time"] > 0
+    result = run("bench", "attention", "--num-seqs", "4", "--context-len", "40", "--repeats", "2")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["batched_gather_ms"] > 0
 
 
 def test_errors_are_one_clear_line(tmp_path):
