@@ -183,3 +183,19 @@ def test_random_workloads_keep_blocks_whole_and_outputs_invariant(tiny_qwen3, so
     engine.kv.pool.check_whole()
     for i, tokens in done.items():
         assert tokens == solo[f"r{i}"], i
+
+
+def test_running_requests_keep_streaming_while_a_long_prompt_prefills(tiny_qwen3):
+    engine = make_engine(tiny_qwen3, max_num_batched_tokens=8)
+    engine.add_request("short", PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    engine.step()  # "short" prefilled (5 tokens) and decoding from here on
+    engine.add_request("long", PROMPTS[4], GREEDY)  # 60 tokens: 9 chunks of at most 7 beside the decode
+    long_req = engine.scheduler.waiting[0]
+    computed = []
+    for _ in range(8):
+        produced = {out.request_id for out in engine.step()}
+        assert "short" in produced  # a token every step, prefill or not
+        computed.append(long_req.num_computed_tokens)
+    assert computed == [7 * (i + 1) for i in range(8)]
+    engine.abort_request(["short", "long"])
+    engine.kv.pool.check_whole()

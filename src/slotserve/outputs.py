@@ -42,3 +42,4 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache

@@ -1,4 +1,5 @@
-"""A request's slot: everything the engine knows about one sequence, and nothing shared with others."""
+"""What crosses from the front end into the engine core, what comes back, and the core's per-request
+slot: everything the engine knows about one sequence, and nothing shared with others."""
 
 from __future__ import annotations
 
@@ -6,10 +7,33 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from slotserve.engine.detokenizer import IncrementalDetokenizer
 from slotserve.layers.sampler import SamplingState
-from slotserve.outputs import CompletionOutput, PositionLogprobs
+from slotserve.outputs import PositionLogprobs
 from slotserve.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineCoreRequest:
+    """One sequence to sample. A user request with n > 1 becomes n of these, each with its own id."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved against the context limit by the input processor
+    arrival_time: float = field(default_factory=time.time)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one sequence."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # sent once, with the first token
+    finish_reason: str | None = None  # "stop" (EOS or a stop token) | "length"
+    stop_reason: int | None = None  # the stop token id, when one ended it
+    num_cached_tokens: int = 0
 
 
 class RequestStatus(enum.Enum):
@@ -20,16 +44,13 @@ class RequestStatus(enum.Enum):
 
 @dataclass
 class Request:
-    """One sampled sequence. A user request with n > 1 becomes n of these (`index` 0..n-1)."""
+    """The slot of one sequence inside the engine core."""
 
     request_id: str
-    index: int
-    prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     sampling: SamplingState
-    detokenizer: IncrementalDetokenizer
-    max_tokens: int  # resolved against the context limit at admission
+    max_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in this request's blocks
     block_table: list[int] = field(default_factory=list)
@@ -39,12 +60,7 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[PositionLogprobs] | None = None
-    cumulative_logprob: float = 0.0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -58,16 +74,5 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
-        self.status, self.finish_reason, self.stop_reason = RequestStatus.FINISHED, reason, stop_reason
-
-    def completion(self) -> CompletionOutput:
-        return CompletionOutput(
-            index=self.index,
-            text=self.detokenizer.output_text,
-            token_ids=list(self.output_token_ids),
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-            logprobs=self.logprobs,
-            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
-        )
+    def finish(self, reason: str) -> None:
+        self.status, self.finish_reason = RequestStatus.FINISHED, reason

@@ -80,14 +80,14 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
-    def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
+    def finish(self, request: Request, reason: str) -> None:
         """Ends a request in any state and returns its blocks to the pool."""
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         elif request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         self.kv.free(request)
-        request.finish(reason, stop_reason)
+        request.finish(reason)
 
     @property
     def num_unfinished(self) -> int:

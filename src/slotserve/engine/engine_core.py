@@ -1,0 +1,172 @@
+"""The engine core: schedule, run the model, sample. Tokenized requests in, new token ids out.
+
+It knows nothing of text: detokenization and stop strings belong to the output processor, so the
+loop that drives the model never waits on them (in the server they run in another thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from slotserve.config import EngineConfig, ModelConfig, parse_device, parse_dtype
+from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
+from slotserve.engine.request import EngineCoreOutput, EngineCoreRequest, Request
+from slotserve.engine.scheduler import Scheduler
+from slotserve.kv_cache.manager import KVCacheManager
+from slotserve.layers.sampler import Sampler, SamplingState, prompt_logprobs
+from slotserve.models.loader import load_model
+from slotserve.outputs import PositionLogprobs
+
+logger = logging.getLogger("slotserve")
+
+_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    num_blocks: int
+    max_model_len: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model_path: Path, tokenizer_eos_id: int | None = None) -> None:
+        start = time.perf_counter()
+        self.config = config
+        self.device = parse_device(config.device)
+        self.dtype = parse_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)
+        self.model, self.model_config = load_model(model_path, self.dtype, self.device, config.max_model_len)
+        self.eos_token_ids = eos_token_ids(self.model_config, tokenizer_eos_id)
+
+        cfg = self.model_config
+        budget = config.kv_cache_memory or self._default_kv_budget()
+        bytes_per_block = ModelRunner.cache_bytes_per_token(cfg, self.dtype) * config.block_size
+        num_blocks = budget // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory: {budget} bytes cannot hold one block of {bytes_per_block} bytes")
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, num_blocks * config.block_size)
+        self.runner = ModelRunner(self.model, cfg, num_blocks, config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self.load_seconds = time.perf_counter() - start
+        logger.info("loaded %s (%s, %s, %s) in %.1f s; KV cache: %d blocks x %d tokens = %d tokens; max_model_len %d",
+                    config.model, cfg.architecture, self.device, str(self.dtype).removeprefix("torch."),
+                    self.load_seconds, num_blocks, config.block_size, num_blocks * config.block_size,
+                    self.max_model_len)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def _default_kv_budget(self) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.9)
+        return _CPU_KV_CACHE_BYTES
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        sampling = SamplingState.new(request.params, request.prompt_token_ids, sorted(self.eos_token_ids),
+                                     self.vocab_size, self.device)
+        req = Request(request.request_id, request.prompt_token_ids, request.params, sampling, request.max_tokens,
+                      prompt_logprobs=[] if request.params.prompt_logprobs is not None else None)
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+
+    def abort_requests(self, request_ids: list[str], reason: str = "abort") -> None:
+        """Finishes these requests in whatever state they are (unknown ids are ignored) and frees
+        their blocks."""
+        for request_id in request_ids:
+            req = self.requests.pop(request_id, None)
+            if req is not None:
+                self.scheduler.finish(req, reason)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.pool.usage, num_blocks=self.kv.pool.num_blocks, max_model_len=self.max_model_len,
+            prefix_cache_hit_rate=self.kv.stats.hit_rate, num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[EngineCoreOutput]:
+        """One forward pass over every scheduled request; an output for each that sampled a token."""
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        seqs = []
+        for req, num_new in plan.scheduled:
+            start = req.num_computed_tokens
+            samples = start + num_new == req.num_tokens
+            scores_prompt = req.prompt_logprobs is not None and len(req.prompt_logprobs) < len(req.prompt_token_ids)
+            seqs.append(ScheduledSeq(req.all_token_ids[start:start + num_new], start, req.block_table,
+                                     logits="all" if scores_prompt else "last" if samples else "none"))
+        logits = self.runner.execute(seqs)
+        sampling: list[tuple[Request, torch.Tensor]] = []
+        for (req, num_new), seq, seq_logits in zip(plan.scheduled, seqs, logits, strict=True):
+            if seq.logits == "all":
+                self._score_prompt(req, seq.start_pos, seq_logits)
+            req.num_computed_tokens += num_new
+            self.kv.register_full_blocks(req)
+            if req.num_computed_tokens == req.num_tokens:
+                sampling.append((req, seq_logits[-1:]))
+        if not sampling:
+            return []
+        sampled = self.sampler(torch.cat([row for _, row in sampling]), [r.sampling for r, _ in sampling])
+        return [self._append(req, sampled.token_ids[i], sampled.logprobs[i]) for i, (req, _) in enumerate(sampling)]
+
+    def _score_prompt(self, req: Request, start: int, rows: torch.Tensor) -> None:
+        """Prompt logprobs of the positions this chunk predicts (row j scores prompt token start + j + 1)."""
+        tokens = req.prompt_token_ids[start:start + len(rows) + 1]
+        entries = prompt_logprobs(rows[:len(tokens) - 1], tokens, req.params.prompt_logprobs)
+        req.prompt_logprobs += entries[1:] if start else entries
+
+    def _append(self, req: Request, token: int, logprobs: PositionLogprobs | None) -> EngineCoreOutput:
+        first = not req.output_token_ids
+        req.output_token_ids.append(token)
+        req.sampling.append(token)
+        params = req.params
+        out = EngineCoreOutput(
+            req.request_id, [token],
+            new_logprobs=[logprobs] if params.logprobs is not None else None,
+            prompt_logprobs=req.prompt_logprobs if first else None,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+        enough = len(req.output_token_ids) >= params.min_tokens
+        if enough and not params.ignore_eos and token in self.eos_token_ids:
+            out.finish_reason = "stop"
+        elif enough and token in params.stop_token_ids:
+            out.finish_reason, out.stop_reason = "stop", token
+        elif len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            out.finish_reason = "length"
+        if out.finish_reason is not None:
+            self.requests.pop(req.request_id, None)
+            self.scheduler.finish(req, out.finish_reason)
+        return out
+
+
+def eos_token_ids(cfg: ModelConfig, tokenizer_eos: int | None) -> frozenset[int]:
+    """The model's end tokens: config.json, generation_config.json and the tokenizer's eos."""
+    ids = set(cfg.eos_token_ids)
+    if tokenizer_eos is not None:
+        ids.add(tokenizer_eos)
+    return frozenset(ids)

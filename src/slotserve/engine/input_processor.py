@@ -1,0 +1,55 @@
+"""Front-end request handling: tokenize, validate against the model's limits, fan n out into sequences."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from slotserve.engine.request import EngineCoreRequest
+from slotserve.sampling_params import SamplingParams
+from slotserve.tokenizer import Tokenizer
+
+
+@dataclass
+class ProcessedRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[EngineCoreRequest]  # one per sample (n), with ids "<request_id>#<index>"
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
+
+    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> ProcessedRequest:
+        """Bad input raises ValueError naming the field and the problem."""
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, [int(t) for t in prompt]
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if not token_ids:
+            raise ValueError("prompt: must not be empty")
+        max_tokens = self.resolve_max_tokens(len(token_ids), params)
+        sequences = []
+        for index in range(params.n):
+            seq_params = params
+            if params.n > 1 and params.seed is not None:
+                # Each of the n samples gets its own seeded stream; together they stay reproducible.
+                seq_params = replace(params, seed=(params.seed + index) % 2**64)
+            sequences.append(EngineCoreRequest(f"{request_id}#{index}", token_ids, seq_params, max_tokens))
+        return ProcessedRequest(request_id, text, token_ids, sequences)
+
+    def resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise ValueError(f"prompt: {prompt_len} tokens do not fit the context of {limit} tokens "
+                             f"(at least one token must be generated)")
+        if params.max_tokens is None:
+            return limit - prompt_len
+        if prompt_len + params.max_tokens > limit:
+            raise ValueError(f"max_tokens: {params.max_tokens} plus the prompt's {prompt_len} tokens exceed the "
+                             f"context of {limit} tokens; ask for at most {limit - prompt_len}")
+        return params.max_tokens
