@@ -1,0 +1,220 @@
+"""The front-end engine: an asyncio client of the engine-core process, with one output stream per request.
+
+It tokenizes and validates in the caller's process, sends requests over ZMQ, and routes the deltas
+that come back to the right request's queue. A request whose consumer goes away (client disconnect,
+task cancelled) is aborted in the engine, which frees its blocks within a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import tempfile
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from slotserve.config import EngineConfig, ModelConfig
+from slotserve.engine.core_process import run_engine_core
+from slotserve.engine.engine_core import EngineStats
+from slotserve.engine.input_processor import InputProcessor
+from slotserve.engine.serialization import CoreCommand, CoreEvent, decode_event, encode
+from slotserve.model_store import resolve_model
+from slotserve.outputs import RequestOutput
+from slotserve.sampling_params import SamplingParams
+from slotserve.tokenizer import Tokenizer
+
+logger = logging.getLogger("slotserve")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process stopped; requests cannot be served."""
+
+
+class EngineStartError(RuntimeError):
+    """The engine-core process failed before it was ready."""
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    sequence_ids: list[str]
+    finished: bool = False
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, model_path, tokenizer: Tokenizer, log_level: str = "INFO") -> None:
+        self.config, self.tokenizer = config, tokenizer
+        self.model_config = ModelConfig.from_dir(model_path)
+        self._log_level = log_level
+        self._ctx = zmq.asyncio.Context()
+        base = os.path.join(tempfile.gettempdir(), f"slotserve-{uuid.uuid4().hex[:12]}")
+        self._input_address, self._output_address = f"ipc://{base}-in", f"ipc://{base}-out"
+        self._commands = self._ctx.socket(zmq.PUSH)
+        self._commands.bind(self._input_address)
+        self._events = self._ctx.socket(zmq.PULL)
+        self._events.bind(self._output_address)
+        self._streams: dict[str, _Stream] = {}
+        self._stats_waiters: dict[int, asyncio.Future] = {}
+        self._tokens = itertools.count(1)
+        self._process: multiprocessing.Process | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.input_processor: InputProcessor | None = None
+        self.dead_reason: str | None = None
+
+    @classmethod
+    async def create(cls, config: EngineConfig, log_level: str = "INFO", start_timeout: float = 900) -> AsyncLLM:
+        """Starts the engine-core process and returns once it has loaded the model."""
+        path = resolve_model(config.model)  # assemble/convert here, once, before the core needs it
+        engine = cls(config, path, Tokenizer.from_dir(path), log_level)
+        await engine._start(start_timeout)
+        return engine
+
+    async def _start(self, timeout: float) -> None:
+        spawn = multiprocessing.get_context("spawn")
+        self._process = spawn.Process(
+            target=run_engine_core, name="EngineCore", daemon=True,
+            args=(self.config, self._input_address, self._output_address, self._log_level))
+        self._process.start()
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            if await self._events.poll(timeout=200):
+                event = decode_event(await self._events.recv())
+                if event.kind == "ready":
+                    break
+                self._cleanup()
+                raise EngineStartError(f"engine core failed to start: {event.message}")
+            if not self._process.is_alive():
+                self._cleanup()
+                raise EngineStartError(f"engine core exited during start-up (exit code {self._process.exitcode})")
+            if asyncio.get_running_loop().time() > deadline:
+                self._process.kill()
+                self._cleanup()
+                raise EngineStartError(f"engine core not ready after {timeout:.0f} s")
+        self.max_model_len = event.max_model_len
+        self.input_processor = InputProcessor(self.tokenizer, event.vocab_size, event.max_model_len)
+        self._tasks = [asyncio.create_task(self._receive_events(), name="slotserve-events"),
+                       asyncio.create_task(self._watch_process(), name="slotserve-watchdog")]
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def generate(self, request_id: str, prompt: str | list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Yields the request's deltas as they come; ValueError for bad input, EngineDeadError if the
+        engine stops. Leaving the loop early aborts the request in the engine."""
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason)
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        processed = self.input_processor.process(request_id, prompt, params)
+        stream = _Stream(asyncio.Queue(), [s.request_id for s in processed.sequences])
+        self._streams[request_id] = stream
+        try:
+            await self._commands.send(encode(CoreCommand("add", request=processed)))
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finished:
+                    stream.finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not stream.finished and not self.is_dead:
+                await self._abort(request_id, stream)
+
+    async def abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            await self._abort(request_id, stream)
+            stream.queue.put_nowait(asyncio.CancelledError())
+
+    async def _abort(self, request_id: str, stream: _Stream) -> None:
+        await self._commands.send(encode(CoreCommand("abort", request_ids=[request_id],
+                                                     sequence_ids=stream.sequence_ids)))
+
+    async def stats(self, timeout: float = 5.0) -> EngineStats:
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason)
+        token = next(self._tokens)
+        waiter = asyncio.get_running_loop().create_future()
+        self._stats_waiters[token] = waiter
+        try:
+            await self._commands.send(encode(CoreCommand("stats", token=token)))
+            return await asyncio.wait_for(waiter, timeout)
+        finally:
+            self._stats_waiters.pop(token, None)
+
+    # ---- background tasks ---------------------------------------------------------------------
+
+    async def _receive_events(self) -> None:
+        while True:
+            event: CoreEvent = decode_event(await self._events.recv())
+            if event.kind == "outputs":
+                for out in event.outputs:
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.queue.put_nowait(out)
+            elif event.kind == "stats":
+                waiter = self._stats_waiters.get(event.token)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(event.stats)
+            elif event.kind == "error":
+                stream = self._streams.get(event.request_id)
+                if stream is not None:
+                    stream.queue.put_nowait(ValueError(event.message))
+            elif event.kind == "dead":
+                self._fail_all(f"engine core died: {event.message}")
+                return
+
+    async def _watch_process(self) -> None:
+        while self._process.is_alive():
+            await asyncio.sleep(0.5)
+        self._fail_all(f"engine core process exited (exit code {self._process.exitcode})")
+
+    def _fail_all(self, reason: str) -> None:
+        if self.dead_reason is None:
+            self.dead_reason = reason
+            logger.error("%s; failing %d in-flight requests", reason, len(self._streams))
+        for stream in self._streams.values():
+            stream.queue.put_nowait(EngineDeadError(reason))
+        for waiter in self._stats_waiters.values():
+            if not waiter.done():
+                waiter.set_exception(EngineDeadError(reason))
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops the engine-core process (politely, then by force) and closes the sockets."""
+        for task in self._tasks:
+            task.cancel()
+        if self._process is not None and self._process.is_alive():
+            await self._commands.send(encode(CoreCommand("shutdown")))
+            deadline = asyncio.get_running_loop().time() + timeout
+            while self._process.is_alive() and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+            if self._process.is_alive():
+                self._process.kill()
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        self._commands.close(linger=0)
+        self._events.close(linger=0)
+        self._ctx.term()
+        for address in (self._input_address, self._output_address):
+            path = address.removeprefix("ipc://")
+            if os.path.exists(path):
+                os.unlink(path)

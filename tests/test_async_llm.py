@@ -1,0 +1,84 @@
+"""The front-end engine against a real engine-core process (spawned), on a tiny random model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from slotserve import LLM, SamplingParams
+from slotserve.config import EngineConfig
+from slotserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineStartError
+from slotserve.engine.core_process import FAIL_AT_ENV
+
+PROMPTS = ["Hello there", "def fibonacci(n):", "The capital of France is", "1, 2, 3, 4,"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _config(path) -> EngineConfig:
+    return EngineConfig(model=str(path), kv_cache_memory=8 << 20)
+
+
+async def _collect(engine: AsyncLLM, request_id: str, prompt, params) -> tuple[str, list[int]]:
+    text, tokens = "", []
+    async for out in engine.generate(request_id, prompt, params):
+        text += out.outputs[0].text
+        tokens += out.outputs[0].token_ids
+    return text, tokens
+
+
+def test_concurrent_requests_match_offline_and_aborts_free_blocks(tiny_qwen3):
+    offline = LLM(str(tiny_qwen3), kv_cache_memory=8 << 20)
+    expected = [(o.outputs[0].text, o.outputs[0].token_ids) for o in offline.generate(PROMPTS, GREEDY)]
+
+    async def main():
+        engine = await AsyncLLM.create(_config(tiny_qwen3))
+        try:
+            results = await asyncio.gather(*[_collect(engine, f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
+            assert list(results) == expected
+
+            long = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+            stream = engine.generate("cancel-me", PROMPTS[0], long)
+            await stream.__anext__()
+            await stream.aclose()  # the consumer goes away mid-stream
+            for _ in range(100):
+                stats = await engine.stats()
+                if stats.running == 0 and stats.waiting == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert stats.running == 0 and stats.kv_cache_usage == 0.0
+
+            with pytest.raises(ValueError, match="prompt"):
+                await _collect(engine, "bad", "", GREEDY)
+        finally:
+            await engine.shutdown()
+        assert not engine._process.is_alive()
+
+    asyncio.run(main())
+
+
+def test_engine_death_fails_in_flight_requests(tiny_qwen3, monkeypatch):
+    monkeypatch.setenv(FAIL_AT_ENV, "5")
+
+    async def main():
+        engine = await AsyncLLM.create(_config(tiny_qwen3))
+        try:
+            params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+            results = await asyncio.gather(*[_collect(engine, f"r{i}", p, params) for i, p in enumerate(PROMPTS)],
+                                           return_exceptions=True)
+            assert all(isinstance(r, EngineDeadError) for r in results), results
+            assert engine.is_dead and "fails on purpose" in engine.dead_reason
+            with pytest.raises(EngineDeadError):
+                await _collect(engine, "late", PROMPTS[0], params)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_start_failure_is_reported(tmp_path):
+    async def main():
+        with pytest.raises((EngineStartError, FileNotFoundError, ValueError)):
+            await AsyncLLM.create(EngineConfig(model=str(tmp_path / "missing")))
+
+    asyncio.run(main())
