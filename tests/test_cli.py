@@ -17,7 +17,7 @@ def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("command", [[], ["generate"], ["chat"], ["models"], ["bench", "latency"],
-                                     ["bench", "throughput"], ["bench", "attention"]])
+                                     ["bench", "throughput"], ["bench", "attention"], ["bench", "threads"]])
 def test_help(command):
     result = run(*command, "--help")
     assert result.returncode == 0 and "usage: slotserve" in result.stdout

@@ -48,6 +48,36 @@ class _Stream:
     finished: bool = False
 
 
+class RequestStream:
+    """The deltas of one request. Closing it before the last one aborts the request in the engine."""
+
+    def __init__(self, engine: AsyncLLM, request_id: str, prompt_token_ids: list[int], stream: _Stream) -> None:
+        self.engine, self.request_id, self.prompt_token_ids, self._stream = engine, request_id, prompt_token_ids, stream
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._stream.finished:
+            raise StopAsyncIteration
+        item = await self._stream.queue.get()
+        if isinstance(item, BaseException):
+            self._stream.finished = True
+            self.engine._streams.pop(self.request_id, None)
+            raise item
+        if item.finished:
+            self._stream.finished = True
+            self.engine._streams.pop(self.request_id, None)
+        return item
+
+    async def aclose(self) -> None:
+        if not self._stream.finished:
+            self._stream.finished = True
+            self.engine._streams.pop(self.request_id, None)
+            if not self.engine.is_dead:
+                await self.engine._abort(self.request_id, self._stream)
+
+
 class AsyncLLM:
     def __init__(self, config: EngineConfig, model_path, tokenizer: Tokenizer, log_level: str = "INFO") -> None:
         self.config, self.tokenizer = config, tokenizer
@@ -112,10 +142,9 @@ class AsyncLLM:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    async def generate(self, request_id: str, prompt: str | list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Yields the request's deltas as they come; ValueError for bad input, EngineDeadError if the
-        engine stops. Leaving the loop early aborts the request in the engine."""
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
+        """Validates and queues a request (ValueError for bad input, EngineDeadError when the engine is
+        gone); iterate the returned stream for its deltas."""
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
         if request_id in self._streams:
@@ -123,26 +152,18 @@ class AsyncLLM:
         processed = self.input_processor.process(request_id, prompt, params)
         stream = _Stream(asyncio.Queue(), [s.request_id for s in processed.sequences])
         self._streams[request_id] = stream
-        try:
-            await self._commands.send(encode(CoreCommand("add", request=processed)))
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                yield item
-                if item.finished:
-                    stream.finished = True
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not stream.finished and not self.is_dead:
-                await self._abort(request_id, stream)
+        await self._commands.send(encode(CoreCommand("add", request=processed)))
+        return RequestStream(self, request_id, processed.prompt_token_ids, stream)
 
-    async def abort(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            await self._abort(request_id, stream)
-            stream.queue.put_nowait(asyncio.CancelledError())
+    async def generate(self, request_id: str, prompt: str | list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Yields the request's deltas as they come. Leaving the loop early aborts the request."""
+        stream = await self.add_request(request_id, prompt, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
 
     async def _abort(self, request_id: str, stream: _Stream) -> None:
         await self._commands.send(encode(CoreCommand("abort", request_ids=[request_id],

@@ -9,7 +9,9 @@ import sys
 import time
 from typing import Any
 
-_STARTED = time.perf_counter()  # before torch is imported: the start of "time to first token"
+_STARTED = time.perf_counter()
+
+from slotserve.bench.threads import add_arguments as threads_bench_args  # noqa: E402 (torch-free import)  # before torch is imported: the start of "time to first token"
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -159,6 +161,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from slotserve.bench.latency import run_latency
 
         result = run_latency(_make_llm, args, started=_STARTED)
+    elif args.bench == "threads":
+        from slotserve.bench.threads import run_threads
+
+        result = run_threads(args)
     elif args.bench == "attention":
         from slotserve.bench.attention import run_attention
 
@@ -210,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--num-kv-heads", type=int, default=8)
     b.add_argument("--head-dim", type=int, default=128)
     b.add_argument("--repeats", type=int, default=20)
+    b.set_defaults(func=cmd_bench)
+    b = bench.add_parser("threads", help="parfor pool: dispatch cost vs ThreadPoolExecutor, matmul on 1..N threads")
+    threads_bench_args(b)
     b.set_defaults(func=cmd_bench)
     b = bench.add_parser("throughput", help="many requests at once vs one at a time; output tokens/s")
     b.add_argument("--num-prompts", type=int, default=32, help="requests in the batched run")
