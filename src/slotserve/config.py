@@ -76,6 +76,13 @@ class ModelConfig:
     qk_norm: bool
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Mixture of experts (Qwen3-MoE); num_experts 0 means a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
@@ -104,6 +111,13 @@ class ModelConfig:
                 qk_norm=model_type.startswith("qwen3") or archs[0].startswith("Qwen3"),
                 eos_token_ids=_eos_ids(cfg, generation_config or {}),
                 bos_token_id=cfg.get("bos_token_id"),
+                # transformers >= 5 saves `num_experts` under its alias `num_local_experts`.
+                num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0),
+                num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+                mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
             )
         except KeyError as e:
             raise ConfigError(f"config.json: required field {e.args[0]!r} is missing") from None

@@ -8,6 +8,7 @@ task cancelled) is aborted in the engine, which frees its blocks within a step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -152,7 +153,11 @@ class AsyncLLM:
         processed = self.input_processor.process(request_id, prompt, params)
         stream = _Stream(asyncio.Queue(), [s.request_id for s in processed.sequences])
         self._streams[request_id] = stream
-        await self._commands.send(encode(CoreCommand("add", request=processed)))
+        try:
+            await self._send(CoreCommand("add", request=processed))
+        except EngineDeadError:
+            self._streams.pop(request_id, None)
+            raise
         return RequestStream(self, request_id, processed.prompt_token_ids, stream)
 
     async def generate(self, request_id: str, prompt: str | list[int],
@@ -166,8 +171,17 @@ class AsyncLLM:
             await stream.aclose()
 
     async def _abort(self, request_id: str, stream: _Stream) -> None:
-        await self._commands.send(encode(CoreCommand("abort", request_ids=[request_id],
-                                                     sequence_ids=stream.sequence_ids)))
+        with contextlib.suppress(EngineDeadError):
+            await self._send(CoreCommand("abort", request_ids=[request_id], sequence_ids=stream.sequence_ids))
+
+    async def _send(self, command: CoreCommand, timeout: float = 10.0) -> None:
+        """A PUSH to a process that is gone would wait forever: check, and bound the wait."""
+        if self.is_dead or not self._process.is_alive():
+            raise EngineDeadError(self.dead_reason or "engine core process is not running")
+        try:
+            await asyncio.wait_for(self._commands.send(encode(command)), timeout)
+        except TimeoutError:
+            raise EngineDeadError(f"engine core did not take a message within {timeout:.0f} s") from None
 
     async def stats(self, timeout: float = 5.0) -> EngineStats:
         if self.is_dead:
@@ -176,7 +190,7 @@ class AsyncLLM:
         waiter = asyncio.get_running_loop().create_future()
         self._stats_waiters[token] = waiter
         try:
-            await self._commands.send(encode(CoreCommand("stats", token=token)))
+            await self._send(CoreCommand("stats", token=token), timeout)
             return await asyncio.wait_for(waiter, timeout)
         finally:
             self._stats_waiters.pop(token, None)
@@ -206,6 +220,7 @@ class AsyncLLM:
     async def _watch_process(self) -> None:
         while self._process.is_alive():
             await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # let a "dead" event the process sent on its way out arrive with its reason
         self._fail_all(f"engine core process exited (exit code {self._process.exitcode})")
 
     def _fail_all(self, reason: str) -> None:
@@ -223,7 +238,8 @@ class AsyncLLM:
         for task in self._tasks:
             task.cancel()
         if self._process is not None and self._process.is_alive():
-            await self._commands.send(encode(CoreCommand("shutdown")))
+            with contextlib.suppress(EngineDeadError):
+                await self._send(CoreCommand("shutdown"), timeout)
             deadline = asyncio.get_running_loop().time() + timeout
             while self._process.is_alive() and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.05)

@@ -160,7 +160,8 @@ class _CoreServer:
                         self.to_processor.put(("outputs", outputs))
         except Exception as e:
             logger.error("engine core loop died: %s\n%s", e, traceback.format_exc())
-            outbox.send(encode(CoreEvent("dead", message=f"{type(e).__name__}: {e}")))
+            # Through the output thread, so it reaches the front end before that thread's shutdown marker.
+            self.to_processor.put(("event", encode(CoreEvent("dead", message=f"{type(e).__name__}: {e}"))))
         finally:
             self.to_processor.put(("shutdown", None))
             outbox.close(linger=1000)
@@ -187,7 +188,9 @@ class _CoreServer:
             if kind == "shutdown":
                 outbox.send(b"")
                 break
-            if kind == "add":
+            if kind == "event":
+                outbox.send(payload)
+            elif kind == "add":
                 self.processor.add_request(payload)
             elif kind == "abort":
                 for request_id in payload:

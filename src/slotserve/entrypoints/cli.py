@@ -68,10 +68,7 @@ def _size(text: str) -> int:
 def _make_llm(args: argparse.Namespace):
     from slotserve import LLM
 
-    return LLM(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-               kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-               max_num_batched_tokens=args.max_num_batched_tokens,
-               enable_prefix_caching=not args.no_prefix_caching)
+    return LLM.from_config(_engine_config(args))
 
 
 def _params(args: argparse.Namespace):
@@ -140,6 +137,40 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": "".join(reply)})
 
 
+def _engine_config(args: argparse.Namespace):
+    from slotserve.config import EngineConfig
+
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                        kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        enable_prefix_caching=not args.no_prefix_caching)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import os
+
+    from slotserve.engine.async_llm import EngineStartError
+    from slotserve.entrypoints.openai.api_server import ServerSettings, serve
+
+    if args.model_positional:
+        args.model = args.model_positional
+    config = _engine_config(args)
+    settings = ServerSettings(
+        model_name=args.served_model_name or args.model,
+        api_key=args.api_key or os.environ.get("SLOTSERVE_API_KEY") or None,
+        max_queued_requests=args.max_queued_requests,
+        log_interval=args.log_interval,
+    )
+
+    try:
+        asyncio.run(serve(config, settings, args.host, args.port, args.log_level, args.shutdown_timeout))
+    except EngineStartError as e:
+        print(f"slotserve: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from slotserve.model_store import cache_dir, list_models
 
@@ -195,6 +226,18 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(p)
     _sampling_args(p, max_tokens=1024)
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (engine core in its own process)")
+    p.add_argument("model_positional", nargs="?", metavar="MODEL", help="same as --model")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or SLOTSERVE_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    p.add_argument("--max-queued-requests", type=int, default=None, help="in-flight requests beyond which 503")
+    p.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats lines (0: off)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="grace period for in-flight requests")
+    _engine_args(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("models", help="list the model aliases and whether each is installed")
     p.add_argument("--json", action="store_true")

@@ -26,6 +26,10 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
         self._ids = itertools.count()
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        return cls(**vars(config))
+
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 

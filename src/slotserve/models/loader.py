@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,6 +23,10 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 class WeightsError(ValueError):
     """A weights file is missing, unreadable, or does not match the model's config."""
+
+
+class InsufficientMemoryError(ValueError):
+    """The model's weights cannot fit in the memory available to them on the target device."""
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -47,12 +52,18 @@ def load_model(
     """Config, architecture, weights: the model ready for inference on `device` in `dtype`."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
-    cls = model_class(cfg.architecture)
-    # Built on the meta device: no memory and no time go into weights the checkpoint replaces.
-    with torch.device("meta"):
-        model = cls(cfg, max_position)
-    load_weights(model, weight_files(path), dtype, device)
+    model = build_meta_model(cfg, max_position)
+    files = weight_files(path)
+    check_memory(weight_footprint(model, dtype, device, checkpoint_dtypes(files)), device)
+    load_weights(model, files, dtype, device)
     return model.eval(), cfg
+
+
+def build_meta_model(cfg: ModelConfig, max_position: int | None = None) -> nn.Module:
+    """The model on the meta device: shapes without storage, so no memory and no time go into
+    weights the checkpoint replaces (and a model too big for this machine can still be sized)."""
+    with torch.device("meta"):
+        return model_class(cfg.architecture)(cfg, max_position)
 
 
 def load_weights(model: nn.Module, files: list[Path], dtype: torch.dtype, device: torch.device) -> None:
@@ -83,3 +94,97 @@ def load_weights(model: nn.Module, files: list[Path], dtype: torch.dtype, device
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise WeightsError(f"{files[0].parent}: checkpoint lacks {len(missing)} tensors: {shown}")
+
+
+# ---- memory check ------------------------------------------------------------------------------
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_GIB = 1 << 30
+_MEMINFO = Path("/proc/meminfo")
+_CGROUP = Path("/sys/fs/cgroup")
+
+
+@dataclass(frozen=True)
+class WeightFootprint:
+    """Where a model's weights will live once loaded, in bytes."""
+
+    mapped: int  # views of the memory-mapped checkpoint: page cache, never copied
+    copied: int  # converted to another dtype or moved to a GPU: new memory
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    available: int  # bytes new allocations can take without swapping or an OOM kill
+    total: int  # bytes of RAM the memory-mapped weights and the copies must share
+
+
+def checkpoint_dtypes(files: list[Path]) -> dict[str, torch.dtype | None]:
+    """Each tensor's stored dtype, read from the safetensors headers (no tensor data is read)."""
+    dtypes: dict[str, torch.dtype | None] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                keys = f.keys()  # a safe_open handle is not iterable itself
+                for key in keys:
+                    dtypes[key] = _SAFETENSORS_DTYPES.get(f.get_slice(key).get_dtype())
+        except SafetensorError as e:
+            raise WeightsError(f"{file}: cannot read safetensors ({e})") from None
+    return dtypes
+
+
+def weight_footprint(model: nn.Module, dtype: torch.dtype, device: torch.device,
+                     stored: dict[str, torch.dtype | None] | None = None) -> WeightFootprint:
+    """The bytes of `model`'s parameters (as built on the meta device from the config) in `dtype`.
+
+    On CPU a tensor the checkpoint (`stored`: name -> dtype) already holds in `dtype` stays mapped
+    from the file; without `stored` every weight counts as copied."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    mapped = copied = 0
+    for name, p in model.named_parameters():  # a tied lm_head appears once
+        if device.type == "cpu" and stored is not None and stored.get(name) == dtype:
+            mapped += p.numel() * elem
+        else:
+            copied += p.numel() * elem
+    return WeightFootprint(mapped, copied)
+
+
+def available_memory(device: torch.device) -> MemoryInfo:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return MemoryInfo(available=free, total=free)
+    info = _parse_table(_MEMINFO.read_text())
+    available, total = info["MemAvailable"] * 1024, info["MemTotal"] * 1024
+    # Inside a container the cgroup (v2) limit binds before the machine's RAM does, and /proc/meminfo
+    # does not show it. Its page cache is reclaimable, as MemAvailable assumes for the machine's.
+    limit_file = _CGROUP / "memory.max"
+    if limit_file.is_file() and (limit := limit_file.read_text().strip()) != "max":
+        cache = _parse_table((_CGROUP / "memory.stat").read_text()).get("file", 0)
+        used = int((_CGROUP / "memory.current").read_text()) - cache
+        available, total = min(available, int(limit) - used), min(total, int(limit))
+    return MemoryInfo(available=available, total=total)
+
+
+def _parse_table(text: str) -> dict[str, int]:
+    """`name: value [kB]` (/proc/meminfo) or `name value` (cgroup memory.stat) lines as a dict."""
+    rows = (line.replace(":", " ").split() for line in text.splitlines())
+    return {row[0]: int(row[1]) for row in rows if len(row) >= 2}
+
+
+def check_memory(need: WeightFootprint, device: torch.device, mem: MemoryInfo | None = None) -> None:
+    """Refuses, before anything is loaded, weights that would swap or get the process killed.
+
+    Copies need memory that is free now. Mapped weights are file-backed page cache, which the
+    kernel can evict and re-read rather than swap, and which may already be resident (a previous
+    load, another process on the same files): they only have to fit in RAM beside the copies.
+    The KV cache and activations come on top of the weights."""
+    mem = mem or available_memory(device)
+    gib = lambda n: f"{n / _GIB:.1f} GiB"  # noqa: E731
+    if need.copied > mem.available:
+        raise InsufficientMemoryError(
+            f"the weights need {gib(need.copied)} of new memory on {device}, but only {gib(mem.available)} "
+            f"is available; choose a smaller dtype or model")
+    if need.mapped + need.copied > mem.total:
+        raise InsufficientMemoryError(
+            f"the weights need {gib(need.mapped + need.copied)} ({gib(need.mapped)} memory-mapped from the "
+            f"checkpoint, {gib(need.copied)} copied), more than the {gib(mem.total)} of RAM; "
+            f"choose a smaller dtype or model")

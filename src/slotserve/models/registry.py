@@ -6,6 +6,7 @@ from torch import nn
 
 from slotserve.models.qwen2 import Qwen2ForCausalLM
 from slotserve.models.qwen3 import Qwen3ForCausalLM
+from slotserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -15,6 +16,7 @@ class UnsupportedArchitectureError(ValueError):
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

@@ -1,0 +1,94 @@
+"""Prometheus metrics of the server: engine gauges, token counters, latency histograms."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from slotserve.engine.engine_core import EngineStats
+from slotserve.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"slotserve:{name}", doc, list(labels), registry=self.registry).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"slotserve:{name}", doc, list(labels), registry=self.registry).labels(**labels)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(f"slotserve:{name}", doc, list(labels), buckets=_LATENCY_BUCKETS,
+                             registry=self.registry).labels(**labels)
+
+        self.running = gauge("num_requests_running", "Sequences running in the engine")
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting for the engine")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use")
+        self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated")
+        self.finished = Counter("slotserve:request_success", "Requests finished, by reason",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        self.model_name = model_name
+        self.total_prompt_tokens = self.total_generation_tokens = 0  # for the periodic log line
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
+        self.itl = histogram("inter_token_latency_seconds", "Time between streamed deltas")
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to last token")
+
+    def track(self, prompt_tokens: int) -> RequestTracker:
+        return RequestTracker(self, prompt_tokens)
+
+    def update_engine(self, stats: EngineStats) -> None:
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """Token counts and latencies of one HTTP request (all of its prompts and samples)."""
+
+    def __init__(self, metrics: ServerMetrics, prompt_tokens: int) -> None:
+        self.metrics, self.prompt_tokens = metrics, prompt_tokens
+        self.completion_tokens = 0
+        self.start = self.last = time.monotonic()
+        self.first: float | None = None
+        self.done = False
+
+    def delta(self, out: RequestOutput) -> None:
+        new = sum(len(c.token_ids) for c in out.outputs)
+        if not new:
+            return
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            self.metrics.itl.observe(now - self.last)
+        self.last = now
+        self.completion_tokens += new
+        self.metrics.generation_tokens.inc(new)
+        self.metrics.total_generation_tokens += new
+
+    def finish(self, *reasons: str | None) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.metrics.prompt_tokens.inc(self.prompt_tokens)
+        self.metrics.total_prompt_tokens += self.prompt_tokens
+        self.metrics.e2e.observe(time.monotonic() - self.start)
+        for reason in reasons:
+            self.metrics.finished.labels(model_name=self.metrics.model_name, finished_reason=reason or "abort").inc()
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}

@@ -1,0 +1,251 @@
+"""The HTTP server as a real subprocess on 127.0.0.1, driven by the official `openai` client and httpx,
+on a tiny random Qwen3 (its chat template is Qwen3's, with thinking)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from slotserve.engine.core_process import FAIL_AT_ENV
+
+MODEL = "tiny"
+
+
+class Server:
+    def __init__(self, model_dir, *extra: str, env: dict[str, str] | None = None) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "slotserve.entrypoints.cli", "--log-level", "WARNING", "serve", str(model_dir),
+             "--port", str(self.port), "--served-model-name", MODEL, "--kv-cache-memory", "16M",
+             "--log-interval", "0", *extra],
+            env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("server did not become healthy")
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kwargs.pop("api_key", "none"), **kwargs)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3):
+    srv = Server(tiny_qwen3)
+    yield srv
+    assert srv.stop() == 0  # SIGTERM: drain, stop the engine, exit 0
+
+
+def test_models_and_request_id(server):
+    assert [m.id for m in server.client().models.list()] == [MODEL]
+    response = httpx.get(f"{server.url}/v1/models", headers={"X-Request-Id": "abc-123"})
+    assert response.headers["x-request-id"] == "abc-123"
+    assert httpx.get(f"{server.url}/v1/models").headers["x-request-id"]
+
+
+def test_completion_stream_equals_non_stream(server):
+    client = server.client()
+    kwargs = dict(model=MODEL, prompt="def fibonacci(n):", max_tokens=20, temperature=0.9, seed=42)
+    full = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text and full.choices[0].finish_reason in ("length", "stop")
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "def fibonacci(n):"}).json()["tokens"]
+    assert full.usage.prompt_tokens == len(ids)
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+
+
+def test_chat_stream_equals_non_stream_and_thinking_switch(server):
+    client = server.client()
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=16, temperature=0.7, seed=3)
+    full = client.chat.completions.create(**kwargs)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True)
+                       if c.choices)
+    assert streamed == full.choices[0].message.content and full.choices[0].message.role == "assistant"
+    on = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()["count"]
+    off = httpx.post(f"{server.url}/tokenize", json={"messages": messages,
+                                                     "chat_template_kwargs": {"enable_thinking": False}}).json()
+    assert off["count"] == on + 4  # "<think>\n\n</think>\n\n" is appended when thinking is off
+    no_think = client.chat.completions.create(**kwargs, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert no_think.usage.prompt_tokens == full.usage.prompt_tokens + 4
+
+
+def test_n_logprobs_and_stop(server):
+    client = server.client()
+    out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, n=3, temperature=1.0, seed=1,
+                                    logprobs=2, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    for choice in out.choices:
+        assert len(choice.logprobs.tokens) == 6 and len(choice.logprobs.top_logprobs) == 6
+        assert all(1 <= len(t) <= 3 for t in choice.logprobs.top_logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                          logprobs=True, top_logprobs=3, temperature=0)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
+
+    full = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[5:9]  # four characters that usually straddle a token boundary
+    cut = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=24, temperature=0,
+                                    stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[: full.index(stop)]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=24, temperature=0, stop=[stop], stream=True,
+        extra_body={"ignore_eos": True}) if c.choices)
+    assert streamed == cut.text
+
+
+@pytest.mark.parametrize("path,body,status", [
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 100_000}, 400),
+    ("/v1/completions", {"prompt": "hi " * 5000}, 400),
+    ("/v1/completions", {"prompt": ""}, 400),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"word": 1}}, 400),
+    ("/v1/completions", {"max_tokens": 5}, 400),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404),
+    ("/v1/chat/completions", {"messages": "hello"}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400),
+    ("/detokenize", {"tokens": [-1]}, 400),
+    ("/tokenize", {}, 400),
+])
+def test_bad_input_gets_a_clear_4xx(server, path, body, status):
+    response = httpx.post(f"{server.url}{path}", json={"model": MODEL, **body} if "model" not in body else body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["code"] == status and error["type"].endswith("Error")
+
+
+def test_malformed_json_is_400(server):
+    response = httpx.post(f"{server.url}/v1/completions", content=b"{not json",
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+
+
+def test_concurrent_clients_with_cancellations(server):
+    """100 concurrent streams, 10 cancelled mid-stream: the other 90 get exactly their solo output, and
+    afterwards no request runs and every KV block is free."""
+    prompts = [f"Request {i}: count to ten." for i in range(100)]
+    solo = {i: server.client().completions.create(model=MODEL, prompt=prompts[i], max_tokens=12, temperature=0,
+                                                  extra_body={"ignore_eos": True}).choices[0].text
+            for i in range(0, 100, 9)}
+
+    async def one(client, i):
+        stream = await client.completions.create(model=MODEL, prompt=prompts[i], temperature=0, stream=True,
+                                                 max_tokens=200 if i % 10 == 0 else 12,
+                                                 extra_body={"ignore_eos": True})
+        text = ""
+        async for chunk in stream:
+            text += chunk.choices[0].text if chunk.choices else ""
+            if i % 10 == 0 and len(text) > 3:
+                await stream.close()  # the client goes away mid-stream
+                return None
+        return text
+
+    async def main():
+        client = server.async_client()
+        return await asyncio.gather(*[one(client, i) for i in range(100)])
+
+    results = asyncio.run(main())
+    for i, text in enumerate(results):
+        if i % 10 == 0:
+            assert text is None
+        else:
+            assert text is not None and len(text) > 0
+            if i in solo:
+                assert text == solo[i], i
+    for _ in range(100):
+        metrics = httpx.get(f"{server.url}/metrics").text
+        if 'slotserve:num_requests_running{model_name="tiny"} 0.0' in metrics:
+            break
+        time.sleep(0.05)
+    assert 'slotserve:num_requests_running{model_name="tiny"} 0.0' in metrics
+    assert 'slotserve:kv_cache_usage_perc{model_name="tiny"} 0.0' in metrics
+    assert "slotserve:time_to_first_token_seconds_bucket" in metrics
+
+
+def test_api_key_and_queue_limit(tiny_qwen3):
+    srv = Server(tiny_qwen3, "--api-key", "s3cret", "--max-queued-requests", "1")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            srv.client(api_key="wrong").models.list()
+        assert httpx.get(f"{srv.url}/health").status_code == 200  # /health stays open
+        client = srv.client(api_key="s3cret", max_retries=0)
+        stream = client.completions.create(model=MODEL, prompt="hi", max_tokens=300, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))
+        with pytest.raises(openai.InternalServerError) as info:  # 503: the one slot is taken
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert info.value.status_code == 503
+        stream.close()
+    finally:
+        assert srv.stop() == 0
+
+
+def test_engine_death_fails_requests_and_health(tiny_qwen3):
+    srv = Server(tiny_qwen3, env={FAIL_AT_ENV: "6"})  # forward passes 1-2 are the health checks' warm-up
+    try:
+        client = srv.client(max_retries=0)
+        with pytest.raises(openai.APIError):
+            for _ in range(3):
+                client.completions.create(model=MODEL, prompt="hello", max_tokens=8)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{srv.url}/health").status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert httpx.get(f"{srv.url}/health").status_code == 503
+        response = httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": "hi"})
+        assert response.status_code == 503 and "fails on purpose" in response.json()["error"]["message"]
+    finally:
+        assert srv.stop() == 0
+
+
+def test_py_spy_sees_the_engine_threads(server):
+    py_spy = shutil.which("py-spy")
+    if py_spy is None:
+        pytest.skip("py-spy is not installed")
+    children = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
+    dumps = [subprocess.run([py_spy, "dump", "--pid", pid], capture_output=True, text=True) for pid in children]
+    if not any(d.returncode == 0 for d in dumps):
+        pytest.skip(f"py-spy cannot attach here: {dumps[0].stderr.strip() if dumps else 'no child process'}")
+    text = "\n".join(d.stdout for d in dumps)
+    for name in ("IPCLoop", "EngineCoreLoop", "OutputProcessor"):
+        assert name in text
