@@ -4,6 +4,7 @@ on a tiny random Qwen3 (its chat template is Qwen3's, with thinking)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -249,3 +250,15 @@ def test_py_spy_sees_the_engine_threads(server):
     text = "\n".join(d.stdout for d in dumps)
     for name in ("IPCLoop", "EngineCoreLoop", "OutputProcessor"):
         assert name in text
+
+
+def test_bench_serve_reports_latencies(server):
+    result = subprocess.run(
+        [sys.executable, "-m", "slotserve.entrypoints.cli", "bench", "serve", "--base-url", server.url,
+         "--num-prompts", "6", "--input-len", "8", "--output-len", "5", "--max-concurrency", "3"],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["completed"] == 6 and figures["failed"] == 0
+    assert figures["output_tokens_per_s"] > 0 and figures["ttft_ms"]["p99"] >= figures["ttft_ms"]["median"] > 0
+    assert figures["tpot_ms"]["mean"] > 0 and figures["itl_ms"]["median"] > 0

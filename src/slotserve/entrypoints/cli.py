@@ -11,7 +11,8 @@ from typing import Any
 
 _STARTED = time.perf_counter()
 
-from slotserve.bench.threads import add_arguments as threads_bench_args  # noqa: E402 (torch-free import)  # before torch is imported: the start of "time to first token"
+from slotserve.bench.serve import add_arguments as serve_bench_args  # noqa: E402 (torch-free imports)
+from slotserve.bench.threads import add_arguments as threads_bench_args  # noqa: E402  # before torch is imported: the start of "time to first token"
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -192,6 +193,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from slotserve.bench.latency import run_latency
 
         result = run_latency(_make_llm, args, started=_STARTED)
+    elif args.bench == "serve":
+        from slotserve.bench.serve import run_serve_bench
+
+        result = run_serve_bench(args)
     elif args.bench == "threads":
         from slotserve.bench.threads import run_threads
 
@@ -259,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--num-kv-heads", type=int, default=8)
     b.add_argument("--head-dim", type=int, default=128)
     b.add_argument("--repeats", type=int, default=20)
+    b.set_defaults(func=cmd_bench)
+    b = bench.add_parser("serve", help="load a running server: request throughput, TTFT, TPOT, ITL")
+    serve_bench_args(b)
     b.set_defaults(func=cmd_bench)
     b = bench.add_parser("threads", help="parfor pool: dispatch cost vs ThreadPoolExecutor, matmul on 1..N threads")
     threads_bench_args(b)
