@@ -57,6 +57,24 @@ def test_concurrent_requests_match_offline_and_aborts_free_blocks(tiny_qwen3):
     asyncio.run(main())
 
 
+def test_a_flood_of_aborts_does_not_starve_new_requests(tiny_qwen3):
+    async def main():
+        engine = await AsyncLLM.create(_config(tiny_qwen3))
+        try:
+            params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+            streams = [await engine.add_request(f"flood-{i}", PROMPTS[i % 4], params) for i in range(300)]
+            for stream in streams:
+                await stream.aclose()
+            _, tokens = await asyncio.wait_for(_collect(engine, "after", PROMPTS[1], GREEDY), timeout=30)
+            assert len(tokens) == 12
+            stats = await engine.stats()
+            assert stats.running == 0 and stats.waiting == 0 and stats.kv_cache_usage == 0.0
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
 def test_engine_death_fails_in_flight_requests(tiny_qwen3, monkeypatch):
     monkeypatch.setenv(FAIL_AT_ENV, "5")
 

@@ -168,7 +168,7 @@ def test_concurrent_clients_with_cancellations(server):
     prompts = [f"Request {i}: count to ten." for i in range(100)]
     solo = {i: server.client().completions.create(model=MODEL, prompt=prompts[i], max_tokens=12, temperature=0,
                                                   extra_body={"ignore_eos": True}).choices[0].text
-            for i in range(0, 100, 9)}
+            for i in range(100) if i % 10}
 
     async def one(client, i):
         stream = await client.completions.create(model=MODEL, prompt=prompts[i], temperature=0, stream=True,
@@ -191,9 +191,7 @@ def test_concurrent_clients_with_cancellations(server):
         if i % 10 == 0:
             assert text is None
         else:
-            assert text is not None and len(text) > 0
-            if i in solo:
-                assert text == solo[i], i
+            assert text == solo[i], i
     for _ in range(100):
         metrics = httpx.get(f"{server.url}/metrics").text
         if 'slotserve:num_requests_running{model_name="tiny"} 0.0' in metrics:
@@ -262,3 +260,15 @@ def test_bench_serve_reports_latencies(server):
     assert figures["completed"] == 6 and figures["failed"] == 0
     assert figures["output_tokens_per_s"] > 0 and figures["ttft_ms"]["p99"] >= figures["ttft_ms"]["median"] > 0
     assert figures["tpot_ms"]["mean"] > 0 and figures["itl_ms"]["median"] > 0
+
+
+@pytest.mark.real_model
+def test_real_model_smoke():
+    srv = Server("qwen2.5-coder-0.5b")
+    try:
+        out = srv.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=24, temperature=0)
+        assert "Paris" in out.choices[0].message.content and out.choices[0].finish_reason == "stop"
+    finally:
+        assert srv.stop() == 0

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from slotserve.engine.engine_core import EngineStats
 from slotserve.outputs import RequestOutput
+
+logger = logging.getLogger("slotserve")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 
@@ -41,8 +44,8 @@ class ServerMetrics:
         self.itl = histogram("inter_token_latency_seconds", "Time between streamed deltas")
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to last token")
 
-    def track(self, prompt_tokens: int) -> RequestTracker:
-        return RequestTracker(self, prompt_tokens)
+    def track(self, request_id: str, prompt_tokens: int) -> RequestTracker:
+        return RequestTracker(self, request_id, prompt_tokens)
 
     def update_engine(self, stats: EngineStats) -> None:
         self.running.set(stats.running)
@@ -57,8 +60,8 @@ class ServerMetrics:
 class RequestTracker:
     """Token counts and latencies of one HTTP request (all of its prompts and samples)."""
 
-    def __init__(self, metrics: ServerMetrics, prompt_tokens: int) -> None:
-        self.metrics, self.prompt_tokens = metrics, prompt_tokens
+    def __init__(self, metrics: ServerMetrics, request_id: str, prompt_tokens: int) -> None:
+        self.metrics, self.request_id, self.prompt_tokens = metrics, request_id, prompt_tokens
         self.completion_tokens = 0
         self.start = self.last = time.monotonic()
         self.first: float | None = None
@@ -85,7 +88,11 @@ class RequestTracker:
         self.done = True
         self.metrics.prompt_tokens.inc(self.prompt_tokens)
         self.metrics.total_prompt_tokens += self.prompt_tokens
-        self.metrics.e2e.observe(time.monotonic() - self.start)
+        e2e = time.monotonic() - self.start
+        self.metrics.e2e.observe(e2e)
+        logger.debug("request %s: %d prompt tokens, %d generated, finished %s, ttft %.3f s, e2e %.3f s",
+                     self.request_id, self.prompt_tokens, self.completion_tokens, ",".join(map(str, reasons)),
+                     (self.first or self.start) - self.start, e2e)
         for reason in reasons:
             self.metrics.finished.labels(model_name=self.metrics.model_name, finished_reason=reason or "abort").inc()
 

@@ -131,7 +131,7 @@ class OpenAIServing:
                        params: SamplingParams) -> tuple[list[_Choice], dict[str, int]]:
         """Runs a non-streaming request to the end; a client that disconnects aborts it."""
         choices = {}
-        tracker = self.metrics.track(sum(len(s.prompt_token_ids) for s in streams))
+        tracker = self.metrics.track(streams[0].request_id, sum(len(s.prompt_token_ids) for s in streams))
 
         async def run() -> None:
             async for i, out in self._merged(streams):
@@ -167,7 +167,7 @@ class OpenAIServing:
                                  params: SamplingParams) -> AsyncIterator[dict[str, Any]]:
         base = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
-        tracker = self.metrics.track(sum(len(s.prompt_token_ids) for s in streams))
+        tracker = self.metrics.track(request_id, sum(len(s.prompt_token_ids) for s in streams))
         async for chunk in self._stream_choices(streams, params, base, tracker, lambda comp: {
                 "text": comp.text,
                 "logprobs": _completion_logprobs(comp.logprobs) if body.logprobs is not None else None}):
@@ -180,7 +180,7 @@ class OpenAIServing:
         base = {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.model_name}
         top = body.top_logprobs or 0
-        tracker = self.metrics.track(sum(len(s.prompt_token_ids) for s in streams))
+        tracker = self.metrics.track(request_id, sum(len(s.prompt_token_ids) for s in streams))
         for j in range(params.n):
             yield {**base, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]}
