@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import random
 import statistics
 import time
@@ -104,7 +105,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "num_prompts": args.num_prompts, "completed": len(done), "failed": len(results) - len(done),
         "errors": sorted({r.error for r in results if r.error})[:3],
         "input_len": args.input_len, "output_len": args.output_len,
-        "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
+        "max_concurrency": args.max_concurrency,
+        "request_rate": None if args.request_rate == float("inf") else args.request_rate,
         "seconds": round(seconds, 3),
         "request_throughput": round(len(done) / seconds, 3),
         "output_tokens_per_s": round(output_tokens / seconds, 2),
@@ -116,4 +118,5 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the figures
     return asyncio.run(_run(args))
