@@ -189,6 +189,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024  # tokens computed per step; longer prompts are prefilled in chunks
     enable_prefix_caching: bool = True
+    task: str = "auto"  # "generate" | "embed" | "auto": embed for embedding checkpoints, else generate
     seed: int = 0
 
     def __post_init__(self) -> None:

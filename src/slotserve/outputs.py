@@ -43,3 +43,14 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+
+
+@dataclass
+class EmbeddingOutput:
+    """The vector of one embedding request (last-token pooled, normalised as the model asks)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]
+    finished: bool = True
+    num_cached_tokens: int = 0

@@ -20,6 +20,7 @@ from slotserve.engine.scheduler import Scheduler
 from slotserve.kv_cache.manager import KVCacheManager
 from slotserve.layers.sampler import Sampler, SamplingState, prompt_logprobs
 from slotserve.models.loader import load_model
+from slotserve.models.pooling import PoolingConfig, load_pooling_config, resolve_task
 from slotserve.outputs import PositionLogprobs
 
 logger = logging.getLogger("slotserve")
@@ -47,6 +48,9 @@ class EngineCore:
         torch.manual_seed(config.seed)
         self.model, self.model_config = load_model(model_path, self.dtype, self.device, config.max_model_len)
         self.eos_token_ids = eos_token_ids(self.model_config, tokenizer_eos_id)
+        pooling = load_pooling_config(Path(model_path))
+        self.task = resolve_task(config.task, self.model_config.architecture, pooling)
+        self.pooling = pooling or PoolingConfig()
 
         cfg = self.model_config
         budget = config.kv_cache_memory or self._default_kv_budget()
@@ -84,7 +88,8 @@ class EngineCore:
         sampling = SamplingState.new(request.params, request.prompt_token_ids, sorted(self.eos_token_ids),
                                      self.vocab_size, self.device)
         req = Request(request.request_id, request.prompt_token_ids, request.params, sampling, request.max_tokens,
-                      prompt_logprobs=[] if request.params.prompt_logprobs is not None else None)
+                      prompt_logprobs=[] if request.params.prompt_logprobs is not None else None,
+                      pooling=request.pooling)
         self.requests[req.request_id] = req
         self.scheduler.add(req)
 
@@ -116,23 +121,41 @@ class EngineCore:
         seqs = []
         for req, num_new in plan.scheduled:
             start = req.num_computed_tokens
-            samples = start + num_new == req.num_tokens
+            last_chunk = start + num_new == req.num_tokens
             scores_prompt = req.prompt_logprobs is not None and len(req.prompt_logprobs) < len(req.prompt_token_ids)
+            wanted = "hidden" if req.pooling else "all" if scores_prompt else "last"
             seqs.append(ScheduledSeq(req.all_token_ids[start:start + num_new], start, req.block_table,
-                                     logits="all" if scores_prompt else "last" if samples else "none"))
-        logits = self.runner.execute(seqs)
-        sampling: list[tuple[Request, torch.Tensor]] = []
-        for (req, num_new), seq, seq_logits in zip(plan.scheduled, seqs, logits, strict=True):
+                                     logits=wanted if last_chunk or scores_prompt else "none"))
+        results = self.runner.execute(seqs)
+        outputs, sampling = [], []
+        for (req, num_new), seq, result in zip(plan.scheduled, seqs, results, strict=True):
             if seq.logits == "all":
-                self._score_prompt(req, seq.start_pos, seq_logits)
+                self._score_prompt(req, seq.start_pos, result)
             req.num_computed_tokens += num_new
             self.kv.register_full_blocks(req)
-            if req.num_computed_tokens == req.num_tokens:
-                sampling.append((req, seq_logits[-1:]))
-        if not sampling:
-            return []
-        sampled = self.sampler(torch.cat([row for _, row in sampling]), [r.sampling for r, _ in sampling])
-        return [self._append(req, sampled.token_ids[i], sampled.logprobs[i]) for i, (req, _) in enumerate(sampling)]
+            if req.num_computed_tokens < req.num_tokens:
+                continue
+            if req.pooling is not None:
+                outputs.append(self._pool(req, result[-1]))
+            else:
+                sampling.append((req, result[-1:]))
+        if sampling:
+            sampled = self.sampler(torch.cat([row for _, row in sampling]), [r.sampling for r, _ in sampling])
+            outputs += [self._append(req, sampled.token_ids[i], sampled.logprobs[i])
+                        for i, (req, _) in enumerate(sampling)]
+        return outputs
+
+    def _pool(self, req: Request, hidden: torch.Tensor) -> EngineCoreOutput:
+        """The embedding of a prefilled request (last-token pooling); the request ends here and its
+        blocks are freed: no KV is kept after an embedding."""
+        vector = hidden[: req.pooling.dimensions] if req.pooling.dimensions else hidden
+        normalize = self.pooling.normalize if req.pooling.normalize is None else req.pooling.normalize
+        if normalize:
+            vector = torch.nn.functional.normalize(vector, dim=-1)
+        self.requests.pop(req.request_id, None)
+        self.scheduler.finish(req, "stop")
+        return EngineCoreOutput(req.request_id, [], embedding=vector.tolist(), finish_reason="stop",
+                                num_cached_tokens=req.num_cached_tokens)
 
     def _score_prompt(self, req: Request, start: int, rows: torch.Tensor) -> None:
         """Prompt logprobs of the positions this chunk predicts (row j scores prompt token start + j + 1)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from slotserve.engine.request import EngineCoreRequest
+from slotserve.pooling_params import PoolingParams
 from slotserve.sampling_params import SamplingParams
 from slotserve.tokenizer import Tokenizer
 
@@ -17,12 +18,25 @@ class ProcessedRequest:
     sequences: list[EngineCoreRequest]  # one per sample (n), with ids "<request_id>#<index>"
 
 
-class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> None:
-        self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
+class TaskMismatchError(ValueError):
+    """A generation request to an embedding engine, or the other way round."""
 
-    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> ProcessedRequest:
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, task: str = "generate",
+                 hidden_size: int | None = None) -> None:
+        self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
+        self.task, self.hidden_size = task, hidden_size
+
+    def process(self, request_id: str, prompt: str | list[int],
+                params: SamplingParams | PoolingParams) -> ProcessedRequest:
         """Bad input raises ValueError naming the field and the problem."""
+        pooling = isinstance(params, PoolingParams)
+        if pooling and self.task != "embed":
+            raise TaskMismatchError("this model is served for generation; start it with --task embed "
+                                    "to compute embeddings")
+        if not pooling and self.task == "embed":
+            raise TaskMismatchError("this model is served for embeddings (task embed); it does not generate text")
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -32,6 +46,8 @@ class InputProcessor:
                 raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         if not token_ids:
             raise ValueError("prompt: must not be empty")
+        if pooling:
+            return self._embedding(request_id, text, token_ids, params)
         max_tokens = self.resolve_max_tokens(len(token_ids), params)
         sequences = []
         for index in range(params.n):
@@ -41,6 +57,16 @@ class InputProcessor:
                 seq_params = replace(params, seed=(params.seed + index) % 2**64)
             sequences.append(EngineCoreRequest(f"{request_id}#{index}", token_ids, seq_params, max_tokens))
         return ProcessedRequest(request_id, text, token_ids, sequences)
+
+    def _embedding(self, request_id: str, text: str | None, token_ids: list[int],
+                   params: PoolingParams) -> ProcessedRequest:
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"input: {len(token_ids)} tokens do not fit the context of {self.max_model_len} tokens")
+        if params.dimensions is not None and self.hidden_size and params.dimensions > self.hidden_size:
+            raise ValueError(f"dimensions: at most {self.hidden_size} for this model, got {params.dimensions}")
+        # Prefill only: the sampling parameters are never used.
+        seq = EngineCoreRequest(f"{request_id}#0", token_ids, SamplingParams(max_tokens=1), 0, pooling=params)
+        return ProcessedRequest(request_id, text, token_ids, [seq])
 
     def resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         limit = self.max_model_len

@@ -17,7 +17,8 @@ from slotserve.engine.output_processor import OutputProcessor
 from slotserve.engine.scheduler import Scheduler
 from slotserve.kv_cache.manager import KVCacheManager
 from slotserve.model_store import resolve_model
-from slotserve.outputs import RequestOutput
+from slotserve.outputs import EmbeddingOutput, RequestOutput
+from slotserve.pooling_params import PoolingParams
 from slotserve.sampling_params import SamplingParams
 from slotserve.tokenizer import Tokenizer
 
@@ -30,7 +31,8 @@ class LLMEngine:
         path = resolve_model(config.model)
         self.tokenizer = Tokenizer.from_dir(path)
         self.core = EngineCore(config, path, self.tokenizer.eos_token_id)
-        self.input_processor = InputProcessor(self.tokenizer, self.core.vocab_size, self.core.max_model_len)
+        self.input_processor = InputProcessor(self.tokenizer, self.core.vocab_size, self.core.max_model_len,
+                                              self.core.task, self.core.model_config.hidden_size)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     # The core's parts, for stats, benchmarks and tests.
@@ -66,11 +68,18 @@ class LLMEngine:
     def scheduler(self) -> Scheduler:
         return self.core.scheduler
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
-        """Queues a request; bad input raises ValueError naming the problem and changes nothing."""
+    @property
+    def task(self) -> str:
+        return self.core.task
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | PoolingParams | None = None) -> None:
+        """Queues a request (PoolingParams: an embedding request); bad input raises ValueError naming the
+        problem and changes nothing."""
         if request_id in self.output_processor:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        processed = self.input_processor.process(request_id, prompt, params or SamplingParams())
+        default = PoolingParams() if self.core.task == "embed" else SamplingParams()
+        processed = self.input_processor.process(request_id, prompt, params or default)
         self.output_processor.add_request(processed)
         for seq in processed.sequences:
             self.core.add_request(seq)
@@ -85,8 +94,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return self.core.stats()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingOutput]:
         """One forward pass over every scheduled request; returns the requests that progressed."""
         processed = self.output_processor.process(self.core.step())
         self.core.abort_requests(processed.stopped, reason="stop")
-        return processed.request_outputs
+        return [*processed.request_outputs, *processed.embeddings]

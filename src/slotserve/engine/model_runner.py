@@ -18,11 +18,13 @@ class ScheduledSeq:
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
-    logits: str = "last"  # "last": next-token logits only; "all": every new position's; "none"
+    # "last": next-token logits only; "all": every new position's; "hidden": the last position's final
+    # hidden state (for pooling), no logits; "none"
+    logits: str = "last"
 
     def __post_init__(self) -> None:
-        if self.logits not in ("last", "all", "none"):
-            raise ValueError(f"logits: must be 'last', 'all' or 'none', got {self.logits!r}")
+        if self.logits not in ("last", "all", "hidden", "none"):
+            raise ValueError(f"logits: must be 'last', 'all', 'hidden' or 'none', got {self.logits!r}")
 
 
 class KVCacheFullError(RuntimeError):
@@ -53,7 +55,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: list[ScheduledSeq]) -> list[torch.Tensor | None]:
-        """Runs one forward over all sequences' new tokens; per sequence, float32 logits [rows, vocab]."""
+        """Runs one forward over all sequences' new tokens; per sequence, float32 logits [rows, vocab]
+        (or, for "hidden", its last final hidden state [1, hidden_size])."""
         input_ids, positions, slots, rows = [], [], [], []
         for seq in seqs:
             n, end = len(seq.token_ids), seq.start_pos + len(seq.token_ids)
@@ -65,7 +68,7 @@ class ModelRunner:
             for pos in range(seq.start_pos, end):
                 positions.append(pos)
                 slots.append(seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size)
-            if seq.logits == "last":
+            if seq.logits in ("last", "hidden"):
                 rows.append(range(base + n - 1, base + n))
             elif seq.logits == "all":
                 rows.append(range(base, base + n))
@@ -82,11 +85,14 @@ class ModelRunner:
             workspace=self.workspace,
         )
         hidden = self.model(as_tensor(input_ids), as_tensor(positions), meta)
-        wanted = [i for r in rows for i in r]
+        wanted = [i for r, seq in zip(rows, seqs, strict=True) if seq.logits != "hidden" for i in r]
         logits = self.model.compute_logits(hidden[as_tensor(wanted)]) if wanted else None
         out: list[torch.Tensor | None] = []
         offset = 0
-        for r in rows:
-            out.append(logits[offset:offset + len(r)] if len(r) else None)
-            offset += len(r)
+        for r, seq in zip(rows, seqs, strict=True):
+            if seq.logits == "hidden":
+                out.append(hidden[r.start:r.stop].float())
+            else:
+                out.append(logits[offset:offset + len(r)] if len(r) else None)
+                offset += len(r)
         return out

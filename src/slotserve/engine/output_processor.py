@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from slotserve.engine.detokenizer import IncrementalDetokenizer
 from slotserve.engine.input_processor import ProcessedRequest
 from slotserve.engine.request import EngineCoreOutput
-from slotserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from slotserve.outputs import CompletionOutput, EmbeddingOutput, PositionLogprobs, RequestOutput
 from slotserve.tokenizer import Tokenizer
 
 
@@ -45,6 +45,7 @@ class _Group:
 class ProcessedOutputs:
     request_outputs: list[RequestOutput]
     stopped: list[str]  # sequence ids finished here by a stop string: the core must finish them too
+    embeddings: list[EmbeddingOutput] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -80,13 +81,18 @@ class OutputProcessor:
 
     def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         touched: dict[str, _Group] = {}
-        stopped = []
+        stopped, embeddings = [], []
         now = time.monotonic()
         for out in outputs:
             request_id = self._owner.get(out.request_id)
             if request_id is None:
                 continue  # aborted, or finished by a stop string while the core ran on
             group = self._groups[request_id]
+            if out.embedding is not None:
+                embeddings.append(EmbeddingOutput(request_id, group.request.prompt_token_ids, out.embedding,
+                                                  num_cached_tokens=out.num_cached_tokens))
+                self.abort_request(request_id)
+                continue
             seq = group.sequences[out.request_id]
             if seq.finish_reason is not None:
                 continue
@@ -101,7 +107,7 @@ class OutputProcessor:
         for group in touched.values():
             if group.finished:
                 self.abort_request(group.request.request_id)
-        return ProcessedOutputs(results, stopped)
+        return ProcessedOutputs(results, stopped, embeddings)
 
     def _update(self, seq: _Sequence, out: EngineCoreOutput) -> bool:
         """Applies one core output; True when a stop string ended the sequence here."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from slotserve.layers.sampler import SamplingState
 from slotserve.outputs import PositionLogprobs
+from slotserve.pooling_params import PoolingParams
 from slotserve.sampling_params import SamplingParams
 
 
@@ -21,6 +22,7 @@ class EngineCoreRequest:
     params: SamplingParams
     max_tokens: int  # resolved against the context limit by the input processor
     arrival_time: float = field(default_factory=time.time)
+    pooling: PoolingParams | None = None  # an embedding request: prefill only, one vector out
 
 
 @dataclass
@@ -34,6 +36,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" (EOS or a stop token) | "length"
     stop_reason: int | None = None  # the stop token id, when one ended it
     num_cached_tokens: int = 0
+    embedding: list[float] | None = None  # an embedding request's vector
 
 
 class RequestStatus(enum.Enum):
@@ -61,6 +64,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    pooling: PoolingParams | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

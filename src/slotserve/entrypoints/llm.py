@@ -11,7 +11,8 @@ from tqdm import tqdm
 from slotserve.config import EngineConfig
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.model_store import DEFAULT_MODEL
-from slotserve.outputs import RequestOutput
+from slotserve.outputs import EmbeddingOutput, RequestOutput
+from slotserve.pooling_params import PoolingParams
 from slotserve.sampling_params import SamplingParams
 from slotserve.tokenizer import Tokenizer
 
@@ -42,7 +43,10 @@ class LLM:
         """Completes each prompt (text or token ids); outputs come back in the prompts' order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = _per_prompt(sampling_params, len(prompts))
+        return self._submit(prompts, _per_prompt(sampling_params, len(prompts)), use_tqdm)
+
+    def _submit(self, prompts: Sequence[Prompt], params: Sequence[SamplingParams | PoolingParams],
+                use_tqdm: bool) -> list:
         ids = []
         try:
             for prompt, p in zip(prompts, params, strict=True):
@@ -52,6 +56,17 @@ class LLM:
             self.engine.abort_request(ids)  # a bad prompt in the list leaves nothing half-queued
             raise
         return self._run(ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingOutput]:
+        """One vector per prompt (the engine must run with task "embed"), in the prompts' order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._submit(prompts, [pooling_params or PoolingParams()] * len(prompts), use_tqdm)
 
     def chat(
         self,
@@ -88,8 +103,8 @@ class LLM:
         finally:
             self.engine.abort_request(request_id)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        done: dict[str, RequestOutput] = {}
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput | EmbeddingOutput]:
+        done: dict[str, RequestOutput | EmbeddingOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm or len(request_ids) < 2)
         try:
             while self.engine.has_unfinished_requests():

@@ -78,9 +78,12 @@ def load_weights(model: nn.Module, files: list[Path], dtype: torch.dtype, device
                 for key in tqdm(f.keys(), desc=f"Loading {file.name}", unit="tensor", leave=False):
                     if key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and key not in expected):
                         continue
+                    tensor_name = key
+                    if key not in expected and f"model.{key}" in expected:
+                        key = f"model.{key}"  # a bare-decoder checkpoint (Qwen3Model) names tensors without it
                     if key not in expected:
                         raise WeightsError(f"{file}: tensor {key!r} has no place in {type(model).__name__}")
-                    tensor = f.get_tensor(key)
+                    tensor = f.get_tensor(tensor_name)
                     if tuple(tensor.shape) != tuple(expected[key]):
                         raise WeightsError(f"{file}: tensor {key!r} has shape {tuple(tensor.shape)}, "
                                            f"the config implies {tuple(expected[key])}")

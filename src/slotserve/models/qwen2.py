@@ -118,3 +118,19 @@ class Qwen2ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+
+class QwenForEmbedding(nn.Module):
+    """The bare decoder of a Qwen2Model / Qwen3Model checkpoint (e.g. Qwen3-Embedding): hidden states
+    out, no output head. Its checkpoints name tensors without the `model.` prefix; the loader maps them."""
+
+    def __init__(self, cfg: ModelConfig, max_position: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = QwenModel(cfg, max(max_position or 0, cfg.max_position_embeddings))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def tie_weights(self) -> None:
+        pass
