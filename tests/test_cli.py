@@ -17,7 +17,8 @@ def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("command", [[], ["generate"], ["chat"], ["models"], ["bench", "latency"],
-                                     ["bench", "throughput"], ["bench", "attention"], ["bench", "threads"]])
+                                     ["bench", "throughput"], ["bench", "attention"], ["bench", "threads"],
+                                     ["bench", "embed"]])
 def test_help(command):
     result = run(*command, "--help")
     assert result.returncode == 0 and "usage: slotserve" in result.stdout
@@ -62,6 +63,9 @@ def test_bench_throughput_and_attention_print_json(tiny_qwen3):
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["requests"] == 4 and figures["output_tokens"] == 16
     assert figures["one_at_a_time"]["requests"] == 2 and figures["speedup_vs_one_at_a_time"] > 0
+    result = run("bench", "embed", "-m", str(tiny_qwen3), "--kv-cache-memory", "8M", "--num-sentences", "5")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1])["embeddings_per_s"] > 0
     result = run("bench", "attention", "--num-seqs", "4", "--context-len", "40", "--repeats", "2")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["batched_gather_ms"] > 0

@@ -91,7 +91,7 @@ def test_unknown_architecture_lists_supported(tiny):
     cfg = json.loads((tiny / "config.json").read_text())
     cfg["architectures"] = ["LlamaForCausalLM"]
     (tiny / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedArchitectureError, match="Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    with pytest.raises(UnsupportedArchitectureError, match="Qwen2ForCausalLM, Qwen2Model, Qwen3ForCausalLM"):
         load_model(tiny, torch.float32, CPU)
 
 

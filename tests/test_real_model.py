@@ -56,3 +56,13 @@ def test_first_positions_match_transformers_on_the_same_gguf(llm):
     assert ours.shape == ref.shape
     assert (ours - ref).abs().max().item() <= LOGIT_TOL
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_embed_mode_puts_similar_sentences_closer():
+    from slotserve import LLM as Engine
+
+    llm = Engine(DEFAULT_MODEL, task="embed", kv_cache_memory=64 << 20)
+    texts = ["How do I sort a list in Python?", "What is the way to order a Python list?",
+             "The weather in Paris is sunny today."]
+    a, b, c = (torch.tensor(o.embedding) for o in llm.embed(texts))
+    assert torch.dot(a, b) > torch.dot(a, c) and torch.dot(a, b) > torch.dot(b, c)

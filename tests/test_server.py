@@ -146,6 +146,7 @@ def test_n_logprobs_and_stop(server):
     ("/v1/chat/completions", {"messages": "hello"}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400),
+    ("/v1/embeddings", {"input": "hi"}, 400),  # a generation server: embeddings need --task embed
     ("/detokenize", {"tokens": [-1]}, 400),
     ("/tokenize", {}, 400),
 ])
@@ -270,5 +271,40 @@ def test_real_model_smoke():
             model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
             max_tokens=24, temperature=0)
         assert "Paris" in out.choices[0].message.content and out.choices[0].finish_reason == "stop"
+    finally:
+        assert srv.stop() == 0
+
+
+def test_embeddings_endpoint(tiny_qwen3):
+    import base64
+
+    import numpy as np
+
+    from slotserve import LLM
+
+    srv = Server(tiny_qwen3, "--task", "embed")
+    try:
+        client = srv.client()
+        texts = ["The cat sat on the mat.", "A kitten rests on a rug.", "def add(a, b): return a + b"]
+        out = client.embeddings.create(model=MODEL, input=texts)
+        vectors = [d.embedding for d in sorted(out.data, key=lambda d: d.index)]
+        offline = LLM(str(tiny_qwen3), task="embed", kv_cache_memory=8 << 20).embed(texts)
+        assert np.allclose(vectors, [o.embedding for o in offline], atol=1e-5)
+        assert all(abs(np.linalg.norm(v) - 1) < 1e-4 for v in vectors)
+        assert out.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in offline) == out.usage.total_tokens
+
+        raw = httpx.post(f"{srv.url}/v1/embeddings", json={"model": MODEL, "input": texts[0],
+                                                          "encoding_format": "base64", "dimensions": 16}).json()
+        decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+        assert decoded.shape == (16,) and abs(np.linalg.norm(decoded) - 1) < 1e-4
+        ids = offline[0].prompt_token_ids
+        by_ids = client.embeddings.create(model=MODEL, input=[ids]).data[0].embedding
+        assert np.allclose(by_ids, vectors[0], atol=1e-5)
+
+        for body in ({"input": []}, {"input": "x", "dimensions": 0}, {"input": "x", "encoding_format": "hex"}):
+            response = httpx.post(f"{srv.url}/v1/embeddings", json={"model": MODEL, **body})
+            assert response.status_code == 400, (body, response.text)
+        response = httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": "hi"})
+        assert response.status_code == 400 and "embeddings" in response.json()["error"]["message"]
     finally:
         assert srv.stop() == 0

@@ -27,7 +27,8 @@ from slotserve.engine.engine_core import EngineStats
 from slotserve.engine.input_processor import InputProcessor
 from slotserve.engine.serialization import CoreCommand, CoreEvent, decode_event, encode
 from slotserve.model_store import resolve_model
-from slotserve.outputs import RequestOutput
+from slotserve.outputs import EmbeddingOutput, RequestOutput
+from slotserve.pooling_params import PoolingParams
 from slotserve.sampling_params import SamplingParams
 from slotserve.tokenizer import Tokenizer
 
@@ -58,7 +59,7 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> RequestOutput | EmbeddingOutput:
         if self._stream.finished:
             raise StopAsyncIteration
         item = await self._stream.queue.get()
@@ -128,8 +129,9 @@ class AsyncLLM:
                 self._process.kill()
                 self._cleanup()
                 raise EngineStartError(f"engine core not ready after {timeout:.0f} s")
-        self.max_model_len = event.max_model_len
-        self.input_processor = InputProcessor(self.tokenizer, event.vocab_size, event.max_model_len)
+        self.max_model_len, self.task = event.max_model_len, event.task
+        self.input_processor = InputProcessor(self.tokenizer, event.vocab_size, event.max_model_len, event.task,
+                                              event.hidden_size)
         self._tasks = [asyncio.create_task(self._receive_events(), name="slotserve-events"),
                        asyncio.create_task(self._watch_process(), name="slotserve-watchdog")]
 
@@ -143,7 +145,8 @@ class AsyncLLM:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
+    async def add_request(self, request_id: str, prompt: str | list[int],
+                          params: SamplingParams | PoolingParams) -> RequestStream:
         """Validates and queues a request (ValueError for bad input, EngineDeadError when the engine is
         gone); iterate the returned stream for its deltas."""
         if self.is_dead:
@@ -201,7 +204,7 @@ class AsyncLLM:
         while True:
             event: CoreEvent = decode_event(await self._events.recv())
             if event.kind == "outputs":
-                for out in event.outputs:
+                for out in [*(event.outputs or []), *(event.embeddings or [])]:
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
                         stream.queue.put_nowait(out)

@@ -54,7 +54,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         return
     _install_fail_hook(core)
     server = _CoreServer(ctx, core, OutputProcessor(tokenizer, delta=True), input_address, events)
-    events.send(encode(CoreEvent("ready", max_model_len=core.max_model_len, vocab_size=core.vocab_size)))
+    events.send(encode(CoreEvent("ready", max_model_len=core.max_model_len, vocab_size=core.vocab_size,
+                                 hidden_size=core.model_config.hidden_size, task=core.task)))
     server.run()
     ctx.term()
 
@@ -199,6 +200,7 @@ class _CoreServer:
                 processed = self.processor.process(payload)
                 if processed.stopped:
                     self.to_core.put(CoreCommand("stop", sequence_ids=processed.stopped))
-                if processed.request_outputs:
-                    outbox.send(encode(CoreEvent("outputs", outputs=processed.request_outputs)))
+                if processed.request_outputs or processed.embeddings:
+                    outbox.send(encode(CoreEvent("outputs", outputs=processed.request_outputs,
+                                                 embeddings=processed.embeddings)))
         outbox.close(linger=1000)

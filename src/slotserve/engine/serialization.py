@@ -12,7 +12,7 @@ import msgspec
 
 from slotserve.engine.engine_core import EngineStats
 from slotserve.engine.input_processor import ProcessedRequest
-from slotserve.outputs import RequestOutput
+from slotserve.outputs import EmbeddingOutput, RequestOutput
 
 
 @dataclass
@@ -32,12 +32,15 @@ class CoreEvent:
 
     kind: str  # "ready" | "outputs" | "stats" | "error" | "dead"
     outputs: list[RequestOutput] | None = None
+    embeddings: list[EmbeddingOutput] | None = None
     stats: EngineStats | None = None
     token: int = 0
     request_id: str | None = None  # error: the request it concerns
     message: str | None = None  # error / dead: why
     max_model_len: int = 0  # ready: the limits the front end validates against
     vocab_size: int = 0
+    hidden_size: int = 0
+    task: str = ""
 
 
 _encoder = msgspec.msgpack.Encoder()

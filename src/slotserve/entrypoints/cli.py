@@ -32,6 +32,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=1024,
                    help="tokens computed per step; longer prompts are prefilled in chunks")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
+    g.add_argument("--task", default="auto", choices=["auto", "generate", "embed"],
+                   help="embed: serve embeddings (last-token pooling); auto: embed for embedding checkpoints")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int | None) -> None:
@@ -144,7 +146,7 @@ def _engine_config(args: argparse.Namespace):
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                         kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        enable_prefix_caching=not args.no_prefix_caching)
+                        enable_prefix_caching=not args.no_prefix_caching, task=args.task)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -193,6 +195,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from slotserve.bench.latency import run_latency
 
         result = run_latency(_make_llm, args, started=_STARTED)
+    elif args.bench == "embed":
+        from slotserve.bench.embed import run_embed
+
+        args.task = "embed"
+        result = run_embed(_make_llm(args).engine, args)
     elif args.bench == "serve":
         from slotserve.bench.serve import run_serve_bench
 
@@ -264,6 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--num-kv-heads", type=int, default=8)
     b.add_argument("--head-dim", type=int, default=128)
     b.add_argument("--repeats", type=int, default=20)
+    b.set_defaults(func=cmd_bench)
+    b = bench.add_parser("embed", help="embeddings per second for a batch of sentences (task embed)")
+    b.add_argument("--num-sentences", type=int, default=64)
+    b.add_argument("--words", type=int, default=16, help="words per random sentence")
+    b.add_argument("--seed", type=int, default=0)
+    _engine_args(b)
     b.set_defaults(func=cmd_bench)
     b = bench.add_parser("serve", help="load a running server: request throughput, TTFT, TPOT, ITL")
     serve_bench_args(b)

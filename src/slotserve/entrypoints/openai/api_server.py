@@ -26,6 +26,7 @@ from slotserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
     error_body,
 )
@@ -122,6 +123,10 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await run(serving.chat, body, raw)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, raw: Request):
+        return await run(serving.embeddings, body, raw)
 
     @app.get("/v1/models")
     async def models():

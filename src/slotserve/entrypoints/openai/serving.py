@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 import uuid
@@ -10,13 +11,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from slotserve.engine.async_llm import AsyncLLM, RequestStream
 from slotserve.entrypoints.openai.metrics import RequestTracker, ServerMetrics
-from slotserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from slotserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from slotserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from slotserve.pooling_params import PoolingParams
 from slotserve.sampling_params import SamplingParams
 
 
@@ -79,10 +82,26 @@ class OpenAIServing:
                         for c in choices],
         })
 
+    async def embeddings(self, body: EmbeddingRequest, raw: Request, request_id: str):
+        streams = await self._start(request_id, body.prompts(), PoolingParams(dimensions=body.dimensions))
+        vectors: dict[int, list[float]] = {}
+        async for i, out in self._merged(streams):
+            vectors[i] = out.embedding
+        prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
+        self.metrics.track(request_id, prompt_tokens).finish("stop")
+        data = []
+        for i in sorted(vectors):
+            vector = vectors[i]
+            if body.encoding_format == "base64":
+                vector = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+            data.append({"object": "embedding", "index": i, "embedding": vector})
+        return JSONResponse({"object": "list", "data": data, "model": self.model_name,
+                             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}})
+
     # ---- running requests ---------------------------------------------------------------------
 
     async def _start(self, request_id: str, prompts: list[str | list[int]],
-                     params: SamplingParams) -> list[RequestStream]:
+                     params: SamplingParams | PoolingParams) -> list[RequestStream]:
         """Queues every prompt, or none: a bad one aborts those already queued."""
         if not prompts:
             raise ValueError("prompt: must not be empty")
