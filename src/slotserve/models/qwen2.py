@@ -6,6 +6,9 @@ carries those switches, so both architectures are this one module (see qwen3.py)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +19,7 @@ from slotserve.layers.norm import RMSNorm
 from slotserve.layers.rotary import RotaryEmbedding, apply_rotary
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin per token
+MlpFactory = Callable[[ModelConfig, int], nn.Module]  # (config, layer index) -> that layer's MLP
 
 
 class Embedding(nn.Module):
@@ -68,13 +72,17 @@ class QwenMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def dense_mlp(cfg: ModelConfig, layer_idx: int) -> nn.Module:
+    return QwenMLP(cfg)
+
+
 class QwenDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = QwenAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = QwenMLP(cfg)
+        self.mlp = mlp
 
     def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(rope, self.input_layernorm(x), meta)
@@ -82,10 +90,10 @@ class QwenDecoderLayer(nn.Module):
 
 
 class QwenModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_position: int, mlp_for_layer: MlpFactory = dense_mlp) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(QwenDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(QwenDecoderLayer(cfg, mlp_for_layer(cfg, i)) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope)
 
@@ -101,10 +109,13 @@ class Qwen2ForCausalLM(nn.Module):
     """Input: a flat batch of token ids with their positions; output: hidden states, then logits
     for only the rows that sample."""
 
+    # Each layer's MLP: dense here; Qwen3-MoE swaps in its sparse blocks (qwen3_moe.py).
+    mlp_for_layer: ClassVar[MlpFactory] = staticmethod(dense_mlp)
+
     def __init__(self, cfg: ModelConfig, max_position: int | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = QwenModel(cfg, max(max_position or 0, cfg.max_position_embeddings))
+        self.model = QwenModel(cfg, max(max_position or 0, cfg.max_position_embeddings), self.mlp_for_layer)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 

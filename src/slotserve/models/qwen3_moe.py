@@ -1,4 +1,4 @@
-"""Qwen3-MoE (e.g. Qwen3-30B-A3B): the Qwen3 decoder with sparse mixture-of-experts MLPs.
+"""Qwen3-MoE (e.g. Qwen3-30B-A3B): the Qwen3 decoder (qwen2.py) with sparse mixture-of-experts MLPs.
 
 Each sparse layer's router picks `num_experts_per_tok` of `num_experts` SwiGLU experts per token and
 sums their outputs weighted by the router's probabilities. Layers in `mlp_only_layers`, or off the
@@ -18,10 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slotserve.config import ConfigError, ModelConfig
-from slotserve.layers.attention import AttentionMetadata
-from slotserve.layers.norm import RMSNorm
-from slotserve.layers.rotary import RotaryEmbedding
-from slotserve.models.qwen2 import Embedding, QwenAttention, QwenMLP, Rope
+from slotserve.models.qwen2 import Qwen2ForCausalLM, QwenMLP
 
 
 def is_sparse_layer(cfg: ModelConfig, layer_idx: int) -> bool:
@@ -59,57 +56,19 @@ class SparseMoeBlock(nn.Module):
         return (out * weights.to(x.dtype).unsqueeze(-1)).sum(dim=1)
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = QwenAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SparseMoeBlock(cfg) if is_sparse_layer(cfg, layer_idx) else QwenMLP(cfg)
-
-    def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+def moe_mlp(cfg: ModelConfig, layer_idx: int) -> nn.Module:
+    return SparseMoeBlock(cfg) if is_sparse_layer(cfg, layer_idx) else QwenMLP(cfg)
 
 
-class Qwen3MoeModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
-        super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope)
+class Qwen3MoeForCausalLM(Qwen2ForCausalLM):
+    """Qwen3 with sparse MoE MLPs; attention, norms, RoPE, the head and the interface are Qwen3's."""
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary(positions)
-        for layer in self.layers:
-            x = layer(rope, x, meta)
-        return self.norm(x)
-
-
-class Qwen3MoeForCausalLM(nn.Module):
-    """The same interface as Qwen2ForCausalLM: hidden states for a flat batch, then logits for the
-    rows that sample."""
+    mlp_for_layer = staticmethod(moe_mlp)
 
     def __init__(self, cfg: ModelConfig, max_position: int | None = None) -> None:
-        super().__init__()
         if cfg.num_experts > 0 and not 0 < cfg.num_experts_per_tok <= cfg.num_experts:
             raise ConfigError(f"config.json: num_experts_per_tok {cfg.num_experts_per_tok} must be "
                               f"between 1 and num_experts ({cfg.num_experts})")
         if cfg.num_experts > 0 and cfg.moe_intermediate_size < 1:
             raise ConfigError("config.json: a mixture-of-experts model needs 'moe_intermediate_size'")
-        self.config = cfg
-        self.model = Qwen3MoeModel(cfg, max(max_position or 0, cfg.max_position_embeddings))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tie_weights()
-
-    def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        super().__init__(cfg, max_position)
