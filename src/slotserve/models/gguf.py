@@ -1,4 +1,4 @@
-"""GGUF conversion: turn a Qwen2/Qwen3 GGUF into a Hugging Face-layout directory (config.json,
+"""GGUF conversion: turn a Qwen2/Qwen3/Qwen3-MoE GGUF into a Hugging Face-layout directory (config.json,
 generation_config.json, float32 model.safetensors, tokenizer.json, tokenizer_config.json).
 
 Reading the file is `gguf_reader`'s job; this module maps its metadata, tensors and vocabulary to
@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import os
 import shutil
 import struct
 import tempfile
+from bisect import bisect_right
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +22,7 @@ from typing import Any
 
 import gguf
 import numpy as np
-from gguf import GGMLQuantizationType, Keys, TokenType
+from gguf import ExpertGatingFuncType, GGMLQuantizationType, Keys, TokenType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tqdm import tqdm
 
@@ -28,7 +30,12 @@ from slotserve.models.gguf_reader import GGUFError, GGUFFile, read_gguf
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# llama.cpp architecture -> (transformers class, config.json model_type)
+SUPPORTED_ARCHITECTURES = {
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+}
 
 # The Qwen2 pre-tokenizer split (also used by Qwen2.5 and Qwen3): contractions, letters with one
 # leading non-letter, single digits, punctuation runs, newline runs, then other whitespace.
@@ -66,9 +73,10 @@ def hf_config(g: GGUFFile) -> dict[str, Any]:
     if (rope_dims := _arch_key(g, Keys.Rope.DIMENSION_COUNT, head_dim)) != head_dim:
         raise GGUFError(f"{g.path}: partial rotary embeddings (rope.dimension_count {rope_dims}, "
                         f"head_dim {head_dim}) are not supported")
+    hf_class, model_type = SUPPORTED_ARCHITECTURES[arch]
     cfg: dict[str, Any] = {
-        "architectures": [SUPPORTED_ARCHITECTURES[arch]],
-        "model_type": arch,
+        "architectures": [hf_class],
+        "model_type": model_type,
         "vocab_size": g.tensors["token_embd.weight"].shape[0],
         "hidden_size": hidden,
         "intermediate_size": _arch_key(g, Keys.LLM.FEED_FORWARD_LENGTH),
@@ -83,14 +91,38 @@ def hf_config(g: GGUFFile) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in g.tensors,
         "torch_dtype": "float32",
     }
-    if arch == "qwen3":  # Qwen2 always has q/k/v bias; Qwen3 declares it
+    if arch != "qwen2":  # Qwen2 always has q/k/v bias; Qwen3 declares it
         cfg["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
+    if arch == "qwen3moe":
+        cfg.update(_moe_config(g, cfg["num_hidden_layers"]))
     if (scaling := _rope_scaling(g)) is not None:
         cfg["rope_scaling"] = scaling
     for name, meta_key in (("bos_token_id", Keys.Tokenizer.BOS_ID), ("eos_token_id", Keys.Tokenizer.EOS_ID)):
         if meta_key in g.metadata:
             cfg[name] = g.metadata[meta_key]
     return cfg
+
+
+def _moe_config(g: GGUFFile, layers: int) -> dict[str, Any]:
+    gating = _arch_key(g, Keys.LLM.EXPERT_GATING_FUNC, ExpertGatingFuncType.SOFTMAX)
+    if gating != ExpertGatingFuncType.SOFTMAX:
+        raise GGUFError(f"{g.path}: expert gating function {gating} is not supported (Qwen3-MoE routes by softmax)")
+    experts, used = _arch_key(g, Keys.LLM.EXPERT_COUNT), _arch_key(g, Keys.LLM.EXPERT_USED_COUNT)
+    if not 0 < used <= experts:
+        raise GGUFError(f"{g.path}: expert_used_count {used} must be between 1 and expert_count {experts}")
+    # A layer is dense only if it has the dense FFN and no router: one with neither counts as sparse,
+    # so that the missing-tensor check names the expert tensors it lacks.
+    dense = [i for i in range(layers)
+             if f"blk.{i}.ffn_gate_inp.weight" not in g.tensors and f"blk.{i}.ffn_gate.weight" in g.tensors]
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": _arch_key(g, Keys.LLM.EXPERT_FEED_FORWARD_LENGTH),
+        # Every Qwen3-MoE release renormalises the top-k weights (llama.cpp hard-codes it for qwen3moe).
+        "norm_topk_prob": bool(_arch_key(g, Keys.LLM.EXPERT_WEIGHTS_NORM, True)),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense,
+    }
 
 
 def _rope_scaling(g: GGUFFile) -> dict[str, Any] | None:
@@ -131,14 +163,29 @@ def generation_config(g: GGUFFile) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class TensorMapping:
+    """HF tensor `hf_name` is GGUF tensor `gguf_name`, or, when `expert` is set, that expert's slice of
+    a tensor stacking a layer's experts along its first axis (llama.cpp's layout for MoE weights)."""
+
     hf_name: str
     gguf_name: str
-    shape: tuple[int, ...]
+    gguf_shape: tuple[int, ...]  # what the GGUF tensor must be, in numpy order
+    expert: int | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.gguf_shape if self.expert is None else self.gguf_shape[1:]
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        """The HF tensor's rows [start, stop) in the GGUF tensor flattened to (rows, row_length)."""
+        n = int(np.prod(self.shape[:-1]))
+        index = self.expert or 0
+        return index * n, (index + 1) * n
 
 
 def tensor_mappings(g: GGUFFile, cfg: dict[str, Any]) -> list[TensorMapping]:
     """Every tensor the HF checkpoint needs, checked to exist in `g` with the shape `cfg` implies."""
-    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    hidden = cfg["hidden_size"]
     q_dim = cfg["num_attention_heads"] * cfg["head_dim"]
     kv_dim = cfg["num_key_value_heads"] * cfg["head_dim"]
     has_bias = cfg["model_type"] == "qwen2" or cfg.get("attention_bias", False)
@@ -152,9 +199,7 @@ def tensor_mappings(g: GGUFFile, cfg: dict[str, Any]) -> list[TensorMapping]:
             (hf + "self_attn.v_proj.weight", gg + "attn_v.weight", (kv_dim, hidden)),
             (hf + "self_attn.o_proj.weight", gg + "attn_output.weight", (hidden, q_dim)),
             (hf + "post_attention_layernorm.weight", gg + "ffn_norm.weight", (hidden,)),
-            (hf + "mlp.gate_proj.weight", gg + "ffn_gate.weight", (inter, hidden)),
-            (hf + "mlp.up_proj.weight", gg + "ffn_up.weight", (inter, hidden)),
-            (hf + "mlp.down_proj.weight", gg + "ffn_down.weight", (hidden, inter)),
+            *_ffn_tensors(cfg, i),
         ]
         if has_bias:
             wanted += [
@@ -162,7 +207,7 @@ def tensor_mappings(g: GGUFFile, cfg: dict[str, Any]) -> list[TensorMapping]:
                 (hf + "self_attn.k_proj.bias", gg + "attn_k.bias", (kv_dim,)),
                 (hf + "self_attn.v_proj.bias", gg + "attn_v.bias", (kv_dim,)),
             ]
-        if cfg["model_type"] == "qwen3":
+        if cfg["model_type"] != "qwen2":
             wanted += [
                 (hf + "self_attn.q_norm.weight", gg + "attn_q_norm.weight", (cfg["head_dim"],)),
                 (hf + "self_attn.k_norm.weight", gg + "attn_k_norm.weight", (cfg["head_dim"],)),
@@ -172,15 +217,15 @@ def tensor_mappings(g: GGUFFile, cfg: dict[str, Any]) -> list[TensorMapping]:
         wanted.append(("lm_head.weight", "output.weight", (cfg["vocab_size"], hidden)))
 
     mappings = [TensorMapping(*w) for w in wanted]
-    missing = [m.gguf_name for m in mappings if m.gguf_name not in g.tensors]
+    missing = list(dict.fromkeys(m.gguf_name for m in mappings if m.gguf_name not in g.tensors))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise GGUFError(f"{g.path}: missing tensors: {shown}")
     for m in mappings:
         t = g.tensors[m.gguf_name]
-        if t.shape != m.shape:
+        if t.shape != m.gguf_shape:
             raise GGUFError(f"{g.path}: tensor {m.gguf_name!r} has shape {list(t.shape)}, "
-                            f"the config implies {list(m.shape)}")
+                            f"the config implies {list(m.gguf_shape)}")
     unused = sorted(set(g.tensors) - {m.gguf_name for m in mappings})
     if unused:
         logger.warning("%s: ignoring %d tensors slotserve does not use: %s", g.path, len(unused), unused[:5])
@@ -189,6 +234,23 @@ def tensor_mappings(g: GGUFFile, cfg: dict[str, Any]) -> list[TensorMapping]:
             name = next(m.gguf_name for m in mappings if g.tensors[m.gguf_name].qtype == qtype)
             raise GGUFError(f"{g.path}: tensor {name!r} has type {qtype.name}, which gguf-py cannot dequantize")
     return mappings
+
+
+def _ffn_tensors(cfg: dict[str, Any], layer: int) -> list[tuple]:
+    """TensorMapping fields for one layer's MLP: dense, or the router and every expert."""
+    hf, gg = f"model.layers.{layer}.mlp.", f"blk.{layer}."
+    hidden, experts = cfg["hidden_size"], cfg.get("num_experts")
+    if not experts or layer in cfg["mlp_only_layers"]:
+        inter = cfg["intermediate_size"]
+        return [(hf + "gate_proj.weight", gg + "ffn_gate.weight", (inter, hidden)),
+                (hf + "up_proj.weight", gg + "ffn_up.weight", (inter, hidden)),
+                (hf + "down_proj.weight", gg + "ffn_down.weight", (hidden, inter))]
+    inter = cfg["moe_intermediate_size"]
+    wanted: list[tuple] = [(hf + "gate.weight", gg + "ffn_gate_inp.weight", (experts, hidden))]
+    for proj, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
+        wanted += [(f"{hf}experts.{e}.{proj}_proj.weight", f"{gg}ffn_{proj}_exps.weight", (experts, *shape), e)
+                   for e in range(experts)]
+    return wanted
 
 
 def _can_dequantize(qtype: GGMLQuantizationType) -> bool:
@@ -216,11 +278,13 @@ def write_safetensors(g: GGUFFile, mappings: list[TensorMapping], out_file: Path
     header_bytes += b" " * (-len(header_bytes) % 8)  # the format wants 8-byte aligned data
     prefix = struct.pack("<Q", len(header_bytes)) + header_bytes
 
+    chunks = {name: g.tensors[name].row_chunks() for name in {m.gguf_name for m in mappings}}
     jobs = []
     for m in mappings:
-        t = g.tensors[m.gguf_name]
         base = len(prefix) + header[m.hf_name]["data_offsets"][0]
-        jobs += [(m.gguf_name, start, stop, base + start * t.shape[-1] * 4) for start, stop in t.row_chunks()]
+        lo, hi = m.rows
+        jobs += [(m.gguf_name, start, stop, base + (start - lo) * m.shape[-1] * 4)
+                 for start, stop in _clip(chunks[m.gguf_name], lo, hi)]
 
     fd = os.open(out_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -242,6 +306,20 @@ def write_safetensors(g: GGUFFile, mappings: list[TensorMapping], out_file: Path
                         bar.update(nbytes)
     finally:
         os.close(fd)
+
+
+def _clip(chunks: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The parts of `chunks` (consecutive row ranges from `row_chunks`) within rows [lo, hi).
+
+    An expert's slice keeps the stacked tensor's chunking, so memory stays bounded by the reader's
+    chunk size whatever the expert size, and a dense tensor's jobs are exactly its chunks."""
+    i = bisect_right(chunks, lo, key=operator.itemgetter(0)) - 1  # the chunk holding row `lo`
+    clipped = []
+    for start, stop in chunks[i:]:
+        if start >= hi:
+            break
+        clipped.append((max(start, lo), min(stop, hi)))
+    return clipped
 
 
 def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
