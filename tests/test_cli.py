@@ -18,7 +18,7 @@ def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("command", [[], ["generate"], ["chat"], ["models"], ["bench", "latency"],
                                      ["bench", "throughput"], ["bench", "attention"], ["bench", "threads"],
-                                     ["bench", "embed"]])
+                                     ["bench", "embed"], ["bench", "kernels"]])
 def test_help(command):
     result = run(*command, "--help")
     assert result.returncode == 0 and "usage: slotserve" in result.stdout
@@ -58,14 +58,20 @@ def test_bench_latency_prints_json(tiny_qwen3):
 
 def test_bench_throughput_and_attention_print_json(tiny_qwen3):
     result = run("bench", "throughput", "-m", str(tiny_qwen3), "--kv-cache-memory", "8M", "--num-prompts", "4",
-                 "--input-len", "16", "--output-len", "4", "--baseline-prompts", "2")
+                 "--input-len", "16", "--output-len", "4", "--baseline-prompts", "2", "--compare-transformers")
     assert result.returncode == 0, result.stderr
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["requests"] == 4 and figures["output_tokens"] == 16
+    assert figures["transformers_generate"]["output_tokens"] == 16 and figures["speedup_vs_transformers"] > 0
     assert figures["one_at_a_time"]["requests"] == 2 and figures["speedup_vs_one_at_a_time"] > 0
     result = run("bench", "embed", "-m", str(tiny_qwen3), "--kv-cache-memory", "8M", "--num-sentences", "5")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1])["embeddings_per_s"] > 0
+    result = run("bench", "kernels", "-m", str(tiny_qwen3), "--kv-cache-memory", "8M", "--prefill-len", "32",
+                 "--batch", "4", "--context-len", "16", "--decode-steps", "2", "--repeats", "1")
+    assert result.returncode == 0, result.stderr
+    kernels = json.loads(result.stdout.strip().splitlines()[-1])
+    assert kernels["memory_read_GBps"] > 0 and 0 < kernels["decode_batch1"]["fraction_of_bound"]
     result = run("bench", "attention", "--num-seqs", "4", "--context-len", "40", "--repeats", "2")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["batched_gather_ms"] > 0

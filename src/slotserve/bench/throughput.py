@@ -75,6 +75,27 @@ def _decode_rate_bare(engine: LLMEngine, prompt: list[int], steps: int) -> float
         engine.kv.pool.free(blocks)
 
 
+def _transformers_rate(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+    """Output tokens/s of Hugging Face `generate` on the same prompts in one padded batch (greedy)."""
+    from transformers import AutoModelForCausalLM
+
+    from slotserve.model_store import resolve_model
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(engine.config.model), dtype=engine.dtype).eval()
+    width = max(len(p) for p in prompts)
+    pad = engine.tokenizer.eos_token_id or 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding, as generate wants
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
+                             min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
+    seconds = time.perf_counter() - start
+    generated = (out.shape[1] - width) * len(prompts)
+    return {"requests": len(prompts), "output_tokens": generated, "seconds": round(seconds, 3),
+            "output_tokens_per_s": round(generated / seconds, 2)}
+
+
 def run_throughput(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     batched_prompts = _prompts(engine, args, args.num_prompts, rng)
@@ -90,6 +111,10 @@ def run_throughput(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any
         engine_rates.append(_decode_rate_engine(engine, decode_prompt, args.output_len // 2))
         bare_rates.append(_decode_rate_bare(engine, decode_prompt, args.output_len // 2))
     engine_rate, bare_rate = statistics.median(engine_rates), statistics.median(bare_rates)
+    hf = None
+    if args.compare_transformers:
+        print("transformers generate, one padded batch ...", file=sys.stderr)
+        hf = _transformers_rate(engine, batched_prompts, args.output_len)
     peak = (torch.cuda.max_memory_allocated() if engine.device.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return {
@@ -105,6 +130,8 @@ def run_throughput(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any
         "batch1_decode_tokens_per_s": round(engine_rate, 2),
         "single_sequence_decode_tokens_per_s": round(bare_rate, 2),
         "batch1_vs_single_sequence": round(engine_rate / bare_rate, 3),
+        "transformers_generate": hf,
+        "speedup_vs_transformers": round(batched["output_tokens_per_s"] / hf["output_tokens_per_s"], 2) if hf else None,
         "prefix_cache_hit_rate": round(engine.kv.stats.hit_rate, 3),
         "preemptions": engine.scheduler.num_preemptions,
         "peak_memory_bytes": peak,

@@ -34,6 +34,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
     g.add_argument("--task", default="auto", choices=["auto", "generate", "embed"],
                    help="embed: serve embeddings (last-token pooling); auto: embed for embedding checkpoints")
+    g.add_argument("--quantization", default=None, choices=["int8"],
+                   help="int8: dynamically quantized int8 linear layers (CPU, float32; faster decode, "
+                        "slightly different output)")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int | None) -> None:
@@ -146,7 +149,8 @@ def _engine_config(args: argparse.Namespace):
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                         kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        enable_prefix_caching=not args.no_prefix_caching, task=args.task)
+                        enable_prefix_caching=not args.no_prefix_caching, task=args.task,
+                        quantization=args.quantization)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -195,6 +199,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from slotserve.bench.latency import run_latency
 
         result = run_latency(_make_llm, args, started=_STARTED)
+    elif args.bench == "kernels":
+        from slotserve.bench.kernels import run_kernels
+
+        result = run_kernels(_make_llm(args).engine, args)
     elif args.bench == "embed":
         from slotserve.bench.embed import run_embed
 
@@ -272,6 +280,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--head-dim", type=int, default=128)
     b.add_argument("--repeats", type=int, default=20)
     b.set_defaults(func=cmd_bench)
+    b = bench.add_parser("kernels", help="machine limits (bandwidth, GEMM) and the engine's speed against them")
+    b.add_argument("--prefill-len", type=int, default=512)
+    b.add_argument("--batch", type=int, default=32, help="sequences in the batched decode step")
+    b.add_argument("--context-len", type=int, default=256, help="context of each sequence in the batched decode")
+    b.add_argument("--decode-steps", type=int, default=16)
+    b.add_argument("--repeats", type=int, default=3)
+    _engine_args(b)
+    b.set_defaults(func=cmd_bench)
     b = bench.add_parser("embed", help="embeddings per second for a batch of sentences (task embed)")
     b.add_argument("--num-sentences", type=int, default=64)
     b.add_argument("--words", type=int, default=16, help="words per random sentence")
@@ -291,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--baseline-prompts", type=int, default=4, help="requests timed one at a time")
     b.add_argument("--prompts-file", default=None, help="text file, one prompt per line, instead of random ones")
     b.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    b.add_argument("--compare-transformers", action="store_true",
+                   help="also time Hugging Face generate on the same prompts in one padded batch")
     _engine_args(b)
     b.set_defaults(func=cmd_bench)
     return parser

@@ -1,0 +1,118 @@
+"""`slotserve bench kernels`: this machine's limits (memory read bandwidth, fp32 GEMM rate) and the
+engine's speed as fractions of the bounds they imply.
+
+- batch-1 decode streams every weight once per token: bound = bandwidth / weight bytes per token;
+- prefill (one 512-token prompt) and batched decode (32 sequences) are GEMM work: bound = FLOPs of the
+  step (linear layers and attention) / the GEMM rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from slotserve.engine.llm_engine import LLMEngine
+from slotserve.engine.model_runner import ScheduledSeq
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes per second torch reads from DRAM: a sum over a buffer far larger than the caches."""
+    buf = torch.ones(nbytes // 4)
+    return nbytes / _median_time(buf.sum, repeats)
+
+
+def measure_gemm(size: int = 2048, repeats: int = 5) -> float:
+    """Sustained fp32 GEMM FLOP/s on a large square shape."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    return 2 * size**3 / _median_time(lambda: a @ b, repeats)
+
+
+def _linear_params(model: nn.Module) -> tuple[int, int]:
+    """(parameters in decoder linears, parameters in the output head)."""
+    head = model.lm_head.weight.numel() if hasattr(model, "lm_head") else 0
+    body = sum(m.weight.numel() for name, m in model.named_modules()
+               if isinstance(m, nn.Linear) and not name.endswith("lm_head"))
+    return body, head
+
+
+def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
+    core, cfg, runner = engine.core, engine.model_config, engine.runner
+    rng = random.Random(0)
+    bandwidth, gemm = measure_bandwidth(), measure_gemm()
+    body, head = _linear_params(core.model)
+    elem = torch.empty(0, dtype=core.dtype).element_size()
+    kv_per_token = runner.cache_bytes_per_token(cfg, core.dtype)
+
+    def attention_flops(queries: int, context: int) -> float:
+        # QK^T and PV: 2 matmuls of 2 * heads * head_dim FLOPs per (query, key) pair, per layer.
+        return 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * queries * context
+
+    def blocks(tokens: int) -> list[int]:
+        return engine.kv.pool.allocate(engine.kv.blocks_for(tokens))
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(1000, 100_000) for _ in range(n)]
+
+    with torch.inference_mode():
+        # Prefill: one prompt, logits for its last token only.
+        table = blocks(args.prefill_len)
+        prompt = ids(args.prefill_len)
+        prefill_s = _median_time(lambda: runner.execute([ScheduledSeq(prompt, 0, table)]), args.repeats)
+        prefill_flops = 2 * body * args.prefill_len + 2 * head + attention_flops(args.prefill_len,
+                                                                                 args.prefill_len / 2)
+        engine.kv.pool.free(table)
+
+        # Batch-1 decode: every weight streamed once per token.
+        table = blocks(16 + args.decode_steps + 1)
+        token = int(runner.execute([ScheduledSeq(ids(16), 0, table)])[0][0].argmax())
+        start = time.perf_counter()
+        for pos in range(16, 16 + args.decode_steps):
+            token = int(runner.execute([ScheduledSeq([token], pos, table)])[0][0].argmax())
+        decode_s = (time.perf_counter() - start) / args.decode_steps
+        engine.kv.pool.free(table)
+        decode_bytes = (body + head) * elem + kv_per_token * (16 + args.decode_steps // 2)
+
+        # Batched decode: `batch` sequences of `context_len` tokens, one new token each.
+        tables = [blocks(args.context_len + 1) for _ in range(args.batch)]
+        for table in tables:
+            runner.execute([ScheduledSeq(ids(args.context_len), 0, table, logits="none")])
+        step = [ScheduledSeq([5], args.context_len, table) for table in tables]
+        batched_s = _median_time(lambda: runner.execute(step), args.repeats)
+        batched_flops = args.batch * (2 * (body + head)) + attention_flops(args.batch, args.context_len)
+        for table in tables:
+            engine.kv.pool.free(table)
+
+    decode_bound = bandwidth / decode_bytes
+    return {
+        "bench": "kernels", "model": engine.config.model, "device": str(core.device),
+        "dtype": str(core.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+        "memory_read_GBps": round(bandwidth / 1e9, 1),
+        "gemm_fp32_GFLOPs": round(gemm / 1e9, 1),
+        "decode_batch1": {
+            "tokens_per_s": round(1 / decode_s, 2), "bytes_per_token_MB": round(decode_bytes / 1e6, 1),
+            "bound_tokens_per_s": round(decode_bound, 2), "fraction_of_bound": round(1 / decode_s / decode_bound, 3)},
+        "prefill": {
+            "tokens": args.prefill_len, "tokens_per_s": round(args.prefill_len / prefill_s, 1),
+            "GFLOPs": round(prefill_flops / prefill_s / 1e9, 1),
+            "fraction_of_gemm_bound": round(prefill_flops / prefill_s / gemm, 3)},
+        "decode_batched": {
+            "sequences": args.batch, "context": args.context_len, "step_ms": round(batched_s * 1e3, 1),
+            "tokens_per_s": round(args.batch / batched_s, 1), "GFLOPs": round(batched_flops / batched_s / 1e9, 1),
+            "fraction_of_gemm_bound": round(batched_flops / batched_s / gemm, 3)},
+    }
