@@ -71,7 +71,7 @@ def test_bench_throughput_and_attention_print_json(tiny_qwen3):
                  "--batch", "4", "--context-len", "16", "--decode-steps", "2", "--repeats", "1")
     assert result.returncode == 0, result.stderr
     kernels = json.loads(result.stdout.strip().splitlines()[-1])
-    assert kernels["memory_read_GBps"] > 0 and 0 < kernels["decode_batch1"]["fraction_of_bound"]
+    assert kernels["memory_read_GBps"] > 0 and kernels["decode_batch1"]["fraction_of_bound"] > 0
     result = run("bench", "attention", "--num-seqs", "4", "--context-len", "40", "--repeats", "2")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["batched_gather_ms"] > 0
