@@ -100,3 +100,22 @@ def test_start_failure_is_reported(tmp_path):
             await AsyncLLM.create(EngineConfig(model=str(tmp_path / "missing")))
 
     asyncio.run(main())
+
+
+def test_moe_model_serves_like_a_dense_one(tmp_path):
+    """Qwen3-MoE through the engine-core process: concurrent streams equal the offline outputs."""
+    from tests.test_qwen3_moe import build_tiny_moe
+
+    build_tiny_moe(tmp_path)
+    offline = LLM(str(tmp_path), kv_cache_memory=8 << 20)
+    expected = [(o.outputs[0].text, o.outputs[0].token_ids) for o in offline.generate(PROMPTS, GREEDY)]
+
+    async def main():
+        engine = await AsyncLLM.create(_config(tmp_path))
+        try:
+            results = await asyncio.gather(*[_collect(engine, f"m{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
+            assert list(results) == expected
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
