@@ -191,6 +191,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     task: str = "auto"  # "generate" | "embed" | "auto": embed for embedding checkpoints, else generate
     seed: int = 0
+    quantization: str | None = None  # "int8": dynamically quantized int8 linear layers (CPU, float32 only)
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "kv_cache_memory"):
@@ -201,3 +202,17 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        if self.quantization is not None:
+            self._check_quantization()
+
+    def _check_quantization(self) -> None:
+        # The int8 kernels are fbgemm's (x86 CPU) and take float32 activations.
+        if self.quantization != "int8":
+            raise ValueError(f"quantization: unknown value {self.quantization!r}; choose int8 (or leave it unset)")
+        # An explicit device is checked as named (a "cuda" request fails here even without CUDA).
+        device = parse_device(None) if self.device in (None, "auto") else torch.device(self.device)
+        if device.type != "cpu":
+            raise ValueError(f"quantization: int8 runs on CPU only, but the device is {device}; pass device='cpu'")
+        if parse_dtype(self.dtype, device) != torch.float32:
+            raise ValueError(f"quantization: int8 computes in float32, but dtype is {self.dtype!r}; "
+                             "use dtype float32 or auto")

@@ -18,6 +18,7 @@ from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
 from slotserve.engine.request import EngineCoreOutput, EngineCoreRequest, Request
 from slotserve.engine.scheduler import Scheduler
 from slotserve.kv_cache.manager import KVCacheManager
+from slotserve.layers.quantization import quantize_int8
 from slotserve.layers.sampler import Sampler, SamplingState, prompt_logprobs
 from slotserve.models.loader import load_model
 from slotserve.models.pooling import PoolingConfig, load_pooling_config, resolve_task
@@ -47,6 +48,8 @@ class EngineCore:
         self.dtype = parse_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         self.model, self.model_config = load_model(model_path, self.dtype, self.device, config.max_model_len)
+        if config.quantization == "int8":
+            quantize_int8(self.model)  # swaps the float linears for int8 ones, releasing their weights
         self.eos_token_ids = eos_token_ids(self.model_config, tokenizer_eos_id)
         pooling = load_pooling_config(Path(model_path))
         self.task = resolve_task(config.task, self.model_config.architecture, pooling)

@@ -11,6 +11,7 @@ from typing import Any
 
 _STARTED = time.perf_counter()
 
+from slotserve.bench.quality import add_arguments as quality_bench_args  # noqa: E402
 from slotserve.bench.serve import add_arguments as serve_bench_args  # noqa: E402 (torch-free imports)
 from slotserve.bench.threads import add_arguments as threads_bench_args  # noqa: E402  # before torch is imported: the start of "time to first token"
 
@@ -203,6 +204,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from slotserve.bench.kernels import run_kernels
 
         result = run_kernels(_make_llm(args).engine, args)
+    elif args.bench == "quality":
+        from slotserve.bench.quality import run_quality
+
+        result = run_quality(_engine_config(args), args)
     elif args.bench == "embed":
         from slotserve.bench.embed import run_embed
 
@@ -286,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--context-len", type=int, default=256, help="context of each sequence in the batched decode")
     b.add_argument("--decode-steps", type=int, default=16)
     b.add_argument("--repeats", type=int, default=3)
+    _engine_args(b)
+    b.set_defaults(func=cmd_bench)
+    b = bench.add_parser("quality", help="float32 vs int8 weights: perplexity, greedy agreement, decode speed")
+    quality_bench_args(b)
     _engine_args(b)
     b.set_defaults(func=cmd_bench)
     b = bench.add_parser("embed", help="embeddings per second for a batch of sentences (task embed)")
