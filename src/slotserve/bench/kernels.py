@@ -10,37 +10,27 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import time
 from typing import Any
 
 import torch
 from torch import nn
 
+from slotserve.bench.timing import median_seconds
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.model_runner import ScheduledSeq
-
-
-def _median_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Bytes per second torch reads from DRAM: a sum over a buffer far larger than the caches."""
     buf = torch.ones(nbytes // 4)
-    return nbytes / _median_time(buf.sum, repeats)
+    return nbytes / median_seconds(buf.sum, repeats)
 
 
 def measure_gemm(size: int = 2048, repeats: int = 5) -> float:
     """Sustained fp32 GEMM FLOP/s on a large square shape."""
     a, b = torch.randn(size, size), torch.randn(size, size)
-    return 2 * size**3 / _median_time(lambda: a @ b, repeats)
+    return 2 * size**3 / median_seconds(lambda: a @ b, repeats)
 
 
 def _linear_params(model: nn.Module) -> tuple[int, int]:
@@ -73,7 +63,7 @@ def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
         # Prefill: one prompt, logits for its last token only.
         table = blocks(args.prefill_len)
         prompt = ids(args.prefill_len)
-        prefill_s = _median_time(lambda: runner.execute([ScheduledSeq(prompt, 0, table)]), args.repeats)
+        prefill_s = median_seconds(lambda: runner.execute([ScheduledSeq(prompt, 0, table)]), args.repeats)
         prefill_flops = 2 * body * args.prefill_len + 2 * head + attention_flops(args.prefill_len,
                                                                                  args.prefill_len / 2)
         engine.kv.pool.free(table)
@@ -93,7 +83,7 @@ def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
         for table in tables:
             runner.execute([ScheduledSeq(ids(args.context_len), 0, table, logits="none")])
         step = [ScheduledSeq([5], args.context_len, table) for table in tables]
-        batched_s = _median_time(lambda: runner.execute(step), args.repeats)
+        batched_s = median_seconds(lambda: runner.execute(step), args.repeats)
         batched_flops = args.batch * (2 * (body + head)) + attention_flops(args.batch, args.context_len)
         for table in tables:
             engine.kv.pool.free(table)

@@ -14,11 +14,10 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
-import statistics
 import sys
-import time
 from typing import Any
 
+from slotserve.bench.timing import median_seconds
 from slotserve.parallel.threadpool import (
     ThreadPool,
     available_cores,
@@ -53,16 +52,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=7, help="timed runs of each figure; the median is reported")
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up: threads started, caches filled
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _noop(*_args: Any) -> None:
     return None
 
@@ -80,8 +69,8 @@ def _dispatch(threads: int, regions: int, repeats: int) -> dict[str, Any]:
             for _ in range(batch):
                 concurrent.futures.wait([executor.submit(_noop) for _ in range(threads)])
 
-        pool_s = _median_seconds(pool_regions, repeats) / batch
-        executor_s = _median_seconds(executor_regions, repeats) / batch
+        pool_s = median_seconds(pool_regions, repeats) / batch
+        executor_s = median_seconds(executor_regions, repeats) / batch
     pool.shutdown()
     return {"threads": threads, "join_spin": pool.join_spin, "pool_us": round(pool_s * 1e6, 2),
             "executor_us": round(executor_s * 1e6, 2), "executor_over_pool": round(executor_s / pool_s, 2)}
@@ -104,14 +93,14 @@ def _matmul(args: argparse.Namespace, counts: list[int], cpus: list[int] | None)
         for pinned in (False, True) if cpus is not None and threads > 1 else (False,):
             pool = ThreadPool(threads, cpu_affinity=cpus if pinned else None)
             configure_torch_threads(pool, count=1)
-            seconds = _median_seconds(lambda pool=pool: pool.parfor(0, items, body), args.repeats)
+            seconds = median_seconds(lambda pool=pool: pool.parfor(0, items, body), args.repeats)
             pool.shutdown()
             rows.append({"threads": threads, "pinned": pinned, "ms": round(seconds * 1e3, 2),
                          "gflops": round(gflop / seconds, 1)})
     torch_rows = []
     for threads in counts:
         torch.set_num_threads(threads)
-        seconds = _median_seconds(lambda: [body(None, i) for i in range(items)], args.repeats)
+        seconds = median_seconds(lambda: [body(None, i) for i in range(items)], args.repeats)
         torch_rows.append({"torch_threads": threads, "ms": round(seconds * 1e3, 2),
                            "gflops": round(gflop / seconds, 1)})
     best = min(rows, key=lambda r: r["ms"])
