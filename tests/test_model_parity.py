@@ -79,7 +79,10 @@ def test_chunked_prefill_equals_one_prefill(tmp_path):
 def test_flat_batch_equals_separate_runs(tmp_path):
     """Two sequences in one flat batch (one prefilling, one decoding) each get their solo logits."""
     build_tiny_model(tmp_path, "qwen3")
-    runner = _runner(tmp_path)
+    _check_flat_batch(_runner(tmp_path))
+
+
+def _check_flat_batch(runner):
     a, b = PROMPT[:9], PROMPT[3:]
     solo_a = runner.execute([ScheduledSeq(a, 0, [0, 1, 2, 3])])[0]
     solo_b = runner.execute([ScheduledSeq(b, 0, [4, 5, 6, 7])])[0]

@@ -13,7 +13,6 @@ from safetensors.torch import load_file, save_file
 from slotserve import SamplingParams
 from slotserve.config import EngineConfig, ModelConfig
 from slotserve.engine.llm_engine import LLMEngine
-from slotserve.engine.model_runner import ScheduledSeq
 from slotserve.models import loader
 from slotserve.models.loader import (
     InsufficientMemoryError,
@@ -29,7 +28,7 @@ from slotserve.models.loader import (
 )
 from slotserve.models.qwen3_moe import SparseMoeBlock
 from tests.conftest import QWEN_TOKENIZER_DIR
-from tests.test_model_parity import PROMPT, _check_prefill_and_decode, _runner
+from tests.test_model_parity import _check_flat_batch, _check_prefill_and_decode, _runner
 
 CPU = torch.device("cpu")
 GIB = 1 << 30
@@ -98,14 +97,7 @@ def test_prefill_and_decode_match_transformers(tmp_path, norm_topk_prob, decoder
 def test_flat_batch_equals_separate_runs(tmp_path):
     """Routing is per token: a prefill and a decode in one flat batch each get their solo logits."""
     build_tiny_moe(tmp_path, norm_topk_prob=True)
-    runner = _runner(tmp_path)
-    a, b = PROMPT[:9], PROMPT[3:]
-    solo_a = runner.execute([ScheduledSeq(a, 0, [0, 1, 2, 3])])[0]
-    solo_b = runner.execute([ScheduledSeq(b, 0, [4, 5, 6, 7])])[0]
-    runner.execute([ScheduledSeq(a[:-1], 0, [8, 9, 10])])
-    mixed = runner.execute([ScheduledSeq(b, 0, [11, 12, 13]), ScheduledSeq(a[-1:], len(a) - 1, [8, 9, 10])])
-    assert (mixed[0] - solo_b).abs().max().item() <= 1e-4
-    assert (mixed[1] - solo_a).abs().max().item() <= 1e-4
+    _check_flat_batch(_runner(tmp_path))
 
 
 # ---- through the engine ------------------------------------------------------------------------
