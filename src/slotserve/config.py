@@ -192,8 +192,16 @@ class EngineConfig:
     task: str = "auto"  # "generate" | "embed" | "auto": embed for embedding checkpoints, else generate
     seed: int = 0
     quantization: str | None = None  # "int8": dynamically quantized int8 linear layers (CPU, float32 only)
+    # CPU threads for torch and the parfor pool (they take turns; see parallel/cpu.py). None: the cores in
+    # cpu_affinity, else SLOTSERVE_THREADS, else the cores this process may use.
+    threads: int | None = None
+    cpu_affinity: tuple[int, ...] | None = None  # restrict the process to these cores, one pool worker on each
 
     def __post_init__(self) -> None:
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ValueError(f"threads: must be a positive integer, got {self.threads!r}")
+        if self.cpu_affinity is not None:
+            self._check_cpu_affinity()
         for name in ("max_model_len", "kv_cache_memory"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -204,6 +212,23 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
         if self.quantization is not None:
             self._check_quantization()
+
+    def _check_cpu_affinity(self) -> None:
+        if isinstance(self.cpu_affinity, str):  # the taskset syntax, as on the command line: "0-3,6"
+            from slotserve.parallel.threadpool import parse_cpu_list
+
+            try:
+                self.cpu_affinity = tuple(parse_cpu_list(self.cpu_affinity))
+            except ValueError as e:
+                raise ValueError(f"cpu_affinity: {e}") from None
+        cpus = tuple(self.cpu_affinity)
+        if not cpus or not all(isinstance(c, int) and c >= 0 for c in cpus):
+            raise ValueError(f"cpu_affinity: must be core numbers (e.g. (0, 1) or '0-3'), got {self.cpu_affinity!r}")
+        allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+        if not set(cpus) <= allowed:
+            raise ValueError(f"cpu_affinity: cores {sorted(set(cpus) - allowed)} are not available to this process "
+                             f"(it may use {sorted(allowed)})")
+        self.cpu_affinity = cpus
 
     def _check_quantization(self) -> None:
         # The int8 kernels are fbgemm's (x86 CPU) and take float32 activations.

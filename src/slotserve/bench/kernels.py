@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,6 +32,25 @@ def measure_gemm(size: int = 2048, repeats: int = 5) -> float:
     """Sustained fp32 GEMM FLOP/s on a large square shape."""
     a, b = torch.randn(size, size), torch.randn(size, size)
     return 2 * size**3 / median_seconds(lambda: a @ b, repeats)
+
+
+def decode_step(engine: LLMEngine, batch: int, context_len: int,
+                seed: int = 0) -> tuple[Callable[[], object], Callable[[], None]]:
+    """A decode step of `batch` sequences with `context_len` random tokens of history each (prefilled
+    here), as a function that runs it; and a function that frees their blocks afterwards."""
+    rng, runner, pool = random.Random(seed), engine.runner, engine.kv.pool
+    tables = [pool.allocate(engine.kv.blocks_for(context_len + 1)) for _ in range(batch)]
+    with torch.inference_mode():
+        for table in tables:
+            runner.execute([ScheduledSeq([rng.randrange(1000, 100_000) for _ in range(context_len)], 0, table,
+                                         logits="none")])
+    step = [ScheduledSeq([5], context_len, table) for table in tables]
+
+    def release() -> None:
+        for table in tables:
+            pool.free(table)
+
+    return lambda: runner.execute(step), release
 
 
 def _linear_params(model: nn.Module) -> tuple[int, int]:
@@ -79,14 +99,10 @@ def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
         decode_bytes = (body + head) * elem + kv_per_token * (16 + args.decode_steps // 2)
 
         # Batched decode: `batch` sequences of `context_len` tokens, one new token each.
-        tables = [blocks(args.context_len + 1) for _ in range(args.batch)]
-        for table in tables:
-            runner.execute([ScheduledSeq(ids(args.context_len), 0, table, logits="none")])
-        step = [ScheduledSeq([5], args.context_len, table) for table in tables]
-        batched_s = median_seconds(lambda: runner.execute(step), args.repeats)
+        step, release = decode_step(engine, args.batch, args.context_len)
+        batched_s = median_seconds(step, args.repeats)
         batched_flops = args.batch * (2 * (body + head)) + attention_flops(args.batch, args.context_len)
-        for table in tables:
-            engine.kv.pool.free(table)
+        release()
 
     decode_bound = bandwidth / decode_bytes
     return {

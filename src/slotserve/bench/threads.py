@@ -5,6 +5,9 @@
 - matmul: a GIL-releasing workload (one fp32 matmul per item, torch single-threaded in every
   executor) on 1..N pool threads, with and without pinning the workers, beside torch's own intra-op
   threading on the same matmuls in one thread.
+- engine: the engine's decode step (batch 1, and a batch of sequences) with 1..N threads for torch and
+  the pool (`--threads`), with and without `--cpu-affinity`; at N threads also with the sequences'
+  attention run in order instead of across the pool: the data behind the defaults.
 
 This module imports torch only when it runs, so the CLI can build its parser without it.
 """
@@ -15,6 +18,7 @@ import argparse
 import concurrent.futures
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from slotserve.bench.timing import median_seconds
@@ -50,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--matmul-size", type=int, default=256, help="n of each n x n fp32 matmul")
     parser.add_argument("--items", type=int, default=64, help="matmuls in each region of the workload")
     parser.add_argument("--repeats", type=int, default=7, help="timed runs of each figure; the median is reported")
+    parser.add_argument("--engine-batch", type=int, default=32, help="sequences in the engine's batched decode step")
+    parser.add_argument("--engine-context", type=int, default=256, help="history tokens of each of those sequences")
+    parser.add_argument("--no-engine", action="store_true", help="skip the engine figures (no model is loaded)")
 
 
 def _noop(*_args: Any) -> None:
@@ -109,7 +116,42 @@ def _matmul(args: argparse.Namespace, counts: list[int], cpus: list[int] | None)
             "fastest_pool": {"threads": best["threads"], "pinned": best["pinned"]}}
 
 
-def run_threads(args: argparse.Namespace) -> dict[str, Any]:
+def _engine(make_engine: Callable[[], Any], args: argparse.Namespace, counts: list[int],
+            cpus: list[int] | None) -> dict[str, Any]:
+    from slotserve.bench.kernels import decode_step
+    from slotserve.parallel.cpu import apply_cpu_settings, restrict_process
+
+    engine = make_engine()
+    runner = engine.runner
+    all_cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    one, release_one = decode_step(engine, 1, args.engine_context)
+    batched, release_batched = decode_step(engine, args.engine_batch, args.engine_context, seed=1)
+    rows = []
+    try:
+        for threads in counts:
+            pinned_runs = (False, True) if cpus is not None and threads <= len(cpus) else (False,)
+            attention_runs = (True, False) if threads == max(counts) and threads > 1 else (True,)
+            for pinned in pinned_runs:
+                for pool_attention in attention_runs:
+                    apply_cpu_settings(threads, cpus[:threads] if pinned else None)
+                    runner.parallel_attention = pool_attention
+                    rows.append({"threads": threads, "pinned": pinned, "pool_attention": pool_attention,
+                                 "batch1_ms": round(median_seconds(one, args.repeats) * 1e3, 1),
+                                 f"batch{args.engine_batch}_ms": round(median_seconds(batched, args.repeats) * 1e3, 1)})
+                    if pinned and all_cores is not None:
+                        restrict_process(all_cores)
+    finally:
+        runner.parallel_attention = True
+        release_one()
+        release_batched()
+        apply_cpu_settings()
+    key = f"batch{args.engine_batch}_ms"
+    best = min(rows, key=lambda r: r[key])
+    return {"model": engine.config.model, "context": args.engine_context, "steps": rows,
+            f"fastest_batch{args.engine_batch}": {k: best[k] for k in ("threads", "pinned", "pool_attention")}}
+
+
+def run_threads(args: argparse.Namespace, make_engine: Callable[[], Any] | None = None) -> dict[str, Any]:
     import torch
 
     cores = available_cores()
@@ -121,6 +163,7 @@ def run_threads(args: argparse.Namespace) -> dict[str, Any]:
     try:
         dispatch = [_dispatch(t, args.regions, args.repeats) for t in counts]
         matmul = _matmul(args, counts, cpus)
+        engine = _engine(make_engine, args, counts, cpus) if make_engine and not args.no_engine else None
     finally:
         torch.set_num_threads(torch_threads)
     return {
@@ -131,4 +174,5 @@ def run_threads(args: argparse.Namespace) -> dict[str, Any]:
         "load_average_1m": round(os.getloadavg()[0], 2),
         "dispatch": dispatch,
         "matmul": matmul,
+        "engine": engine,
     }

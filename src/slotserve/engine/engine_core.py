@@ -23,6 +23,7 @@ from slotserve.layers.sampler import Sampler, SamplingState, prompt_logprobs
 from slotserve.models.loader import load_model
 from slotserve.models.pooling import PoolingConfig, load_pooling_config, resolve_task
 from slotserve.outputs import PositionLogprobs
+from slotserve.parallel.cpu import apply_cpu_settings
 
 logger = logging.getLogger("slotserve")
 
@@ -47,6 +48,7 @@ class EngineCore:
         self.device = parse_device(config.device)
         self.dtype = parse_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
+        self.cpu = apply_cpu_settings(config.threads, config.cpu_affinity)  # before loading: conversion uses it
         self.model, self.model_config = load_model(model_path, self.dtype, self.device, config.max_model_len)
         if config.quantization == "int8":
             quantize_int8(self.model)  # swaps the float linears for int8 ones, releasing their weights
@@ -68,8 +70,10 @@ class EngineCore:
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self.load_seconds = time.perf_counter() - start
-        logger.info("loaded %s (%s, %s, %s) in %.1f s; KV cache: %d blocks x %d tokens = %d tokens; max_model_len %d",
-                    config.model, cfg.architecture, self.device, str(self.dtype).removeprefix("torch."),
+        logger.info("loaded %s (%s, %s, %s, %d threads%s) in %.1f s; KV cache: %d blocks x %d tokens = %d tokens; "
+                    "max_model_len %d", config.model, cfg.architecture, self.device,
+                    str(self.dtype).removeprefix("torch."), self.cpu.threads,
+                    f" on cores {','.join(map(str, self.cpu.cpu_affinity))}" if self.cpu.cpu_affinity else "",
                     self.load_seconds, num_blocks, config.block_size, num_blocks * config.block_size,
                     self.max_model_len)
 

@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 _STARTED = time.perf_counter()
@@ -16,8 +17,9 @@ from slotserve.bench.serve import add_arguments as serve_bench_args  # noqa: E40
 from slotserve.bench.threads import add_arguments as threads_bench_args  # noqa: E402  # before torch is imported: the start of "time to first token"
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
+def _engine_args(p: argparse.ArgumentParser, cpu_options: bool = True) -> None:
     from slotserve.model_store import DEFAULT_MODEL
+    from slotserve.parallel.threadpool import parse_cpu_list
 
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", "-m", default=DEFAULT_MODEL,
@@ -38,6 +40,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, choices=["int8"],
                    help="int8: dynamically quantized int8 linear layers (CPU, float32; faster decode, "
                         "slightly different output)")
+    if cpu_options:
+        g.add_argument("--threads", type=int, default=None,
+                       help="CPU threads for torch and the thread pool (default: SLOTSERVE_THREADS, else the "
+                            "cores this process may use)")
+        g.add_argument("--cpu-affinity", type=_cpu_list(parse_cpu_list), default=None,
+                       help="run on these cores only, one pool worker pinned to each, e.g. 0-3 or 0,2")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int | None) -> None:
@@ -59,6 +67,16 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--system", default=None, help="system message")
     g.add_argument("--chat-template-kwargs", default=None, help='JSON, e.g. \'{"enable_thinking": false}\'')
     g.add_argument("--no-think", action="store_true", help="Qwen3: disable thinking (enable_thinking=false)")
+
+
+def _cpu_list(parse: Callable[[str], list[int]]) -> Callable[[str], tuple[int, ...]]:
+    def parse_arg(text: str) -> tuple[int, ...]:
+        try:
+            return tuple(parse(text))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse_arg
 
 
 def _size(text: str) -> int:
@@ -151,7 +169,7 @@ def _engine_config(args: argparse.Namespace):
                         kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching, task=args.task,
-                        quantization=args.quantization)
+                        quantization=args.quantization, threads=args.threads, cpu_affinity=args.cpu_affinity)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -220,7 +238,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.bench == "threads":
         from slotserve.bench.threads import run_threads
 
-        result = run_threads(args)
+        # Its --threads / --cpu-affinity are the counts and cores to measure; the engine starts on defaults.
+        engine_args = argparse.Namespace(**{**vars(args), "threads": None, "cpu_affinity": None})
+        result = run_threads(args, lambda: _make_llm(engine_args).engine)
     elif args.bench == "attention":
         from slotserve.bench.attention import run_attention
 
@@ -308,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
     b = bench.add_parser("threads", help="parfor pool: dispatch cost vs ThreadPoolExecutor, matmul on 1..N threads")
     threads_bench_args(b)
+    _engine_args(b, cpu_options=False)
     b.set_defaults(func=cmd_bench)
     b = bench.add_parser("throughput", help="many requests at once vs one at a time; output tokens/s")
     b.add_argument("--num-prompts", type=int, default=32, help="requests in the batched run")

@@ -9,7 +9,6 @@ them.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,16 +29,19 @@ class CpuSettings:
 
 def restrict_process(cpus: Sequence[int]) -> None:
     """Lets every thread of this process (those that exist now and, by inheritance, later ones) run only
-    on `cpus`. Linux only: the affinity call works per thread, so every task of the process is set."""
+    on `cpus`; also widens it again. Linux only: the affinity call works per thread, so every task of the
+    process is set."""
     if not hasattr(os, "sched_setaffinity"):
         raise NotImplementedError("cpu_affinity needs os.sched_setaffinity (Linux)")
-    allowed = os.sched_getaffinity(0)
-    if not cpus or not set(cpus) <= allowed:
-        raise ValueError(f"cpu_affinity: {list(cpus)} must be a non-empty subset of the cores this process "
-                         f"may use ({sorted(allowed)})")
+    if not cpus:
+        raise ValueError("cpu_affinity: needs at least one core")
     for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(ProcessLookupError):  # a thread that exited meanwhile
+        try:
             os.sched_setaffinity(int(tid), set(cpus))
+        except ProcessLookupError:  # a thread that exited meanwhile
+            continue
+        except OSError as e:  # EINVAL: none of the cores may be used here (cgroup cpuset, offline)
+            raise ValueError(f"cpu_affinity: cannot run on cores {list(cpus)} ({e.strerror})") from None
 
 
 def apply_cpu_settings(threads: int | None = None, cpu_affinity: Sequence[int] | None = None) -> CpuSettings:
@@ -60,7 +62,8 @@ def apply_cpu_settings(threads: int | None = None, cpu_affinity: Sequence[int] |
 
 def torch_parfor(start: int, end: int, body: Body, ctx: Any = None, pool: ThreadPool | None = None) -> None:
     """`parfor` for bodies made of torch ops: each executor runs them on one torch thread (the pool is
-    the parallelism), and the caller's torch thread count is restored afterwards. With a one-thread
+    the parallelism) and in the caller's inference/grad mode; the caller's torch thread count is restored
+    afterwards. With a one-thread
     pool the items simply run in order here, on torch's usual threads."""
     pool = pool or get_pool()
     if pool.threads == 1 or end - start < 2:
@@ -68,11 +71,14 @@ def torch_parfor(start: int, end: int, body: Body, ctx: Any = None, pool: Thread
             body(ctx, i)
         return
     saved = torch.get_num_threads()
+    # Autograd's modes are per thread: the workers must run the bodies as the caller would.
+    inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
 
     def single_threaded(c: Any, i: int) -> None:
         if torch.get_num_threads() != 1:
             torch.set_num_threads(1)
-        body(c, i)
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            body(c, i)
 
     torch.set_num_threads(1)
     try:
