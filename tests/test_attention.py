@@ -67,3 +67,33 @@ def test_mixed_batch_matches_reference(mode, layout):
 def test_unknown_decode_mode_is_rejected():
     with pytest.raises(ValueError, match="decode_mode"):
         AttentionMetadata.build([1], [1], torch.tensor([0]), [[0]], BS, decode_mode="magic")
+
+
+def test_a_sequence_reads_the_same_bits_in_place_or_gathered():
+    """per_seq mode gives a sequence the same SDPA call whatever its blocks' layout or its company, so
+    its output is bitwise the same (what keeps int8's greedy output the same alone and batched)."""
+    torch.manual_seed(0)
+    lengths = [13, 7, 10]
+    num_blocks = 16
+    attn = Attention(H, KV, D, D**-0.5)
+    attn.k_cache = torch.zeros(num_blocks * BS, KV, D)
+    attn.v_cache = torch.zeros(num_blocks * BS, KV, D)
+    history = [(torch.randn(n, KV, D), torch.randn(n, KV, D)) for n in lengths]
+    q = torch.randn(len(lengths), H, D)
+
+    def decode(tables: list[list[int]], seqs: list[int]) -> torch.Tensor:
+        for i in seqs:  # write each history into its blocks
+            slots = [tables[i][p // BS] * BS + p % BS for p in range(lengths[i])]
+            attn.k_cache[slots], attn.v_cache[slots] = history[i]
+        new = [tables[i][(lengths[i] - 1) // BS] * BS + (lengths[i] - 1) % BS for i in seqs]
+        meta = AttentionMetadata.build([1] * len(seqs), [lengths[i] for i in seqs], torch.tensor(new),
+                                       [tables[i] for i in seqs], BS, decode_mode="per_seq")
+        k = torch.stack([history[i][0][-1] for i in seqs])
+        v = torch.stack([history[i][1][-1] for i in seqs])
+        return attn(q[seqs], k, v, meta)
+
+    consecutive = [[0, 1, 2, 3], [4, 5], [6, 7, 8]]
+    scattered = [[9, 2, 14, 5], [11, 0], [3, 15, 7]]
+    alone = torch.cat([decode(consecutive, [i]) for i in range(len(lengths))])
+    assert torch.equal(decode(scattered, [0, 1, 2]), alone)
+    assert torch.equal(decode(consecutive, [0, 1, 2]), alone)
