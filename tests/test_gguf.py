@@ -20,7 +20,8 @@ from slotserve.config import ModelConfig
 from slotserve.models import gguf as gguf_mod
 from slotserve.models import gguf_reader
 from slotserve.models.gguf import build_tokenizer, convert_gguf, hf_config
-from slotserve.models.gguf_reader import GGUFError, read_gguf
+from slotserve.models.gguf_reader import GGUFError, GGUFFile, read_gguf
+from slotserve.parallel.threadpool import ThreadPool, worker_id
 from slotserve.tokenizer import Tokenizer
 from tests.gguf_fixtures import QWEN3_TOKENIZER_JSON, TinyGGUF, hf_to_gguf_name, tiny_gguf
 
@@ -89,11 +90,75 @@ def test_f32_gguf_gives_the_source_logits(tmp_path):
         torch.testing.assert_close(loaded(ids).logits, source(ids).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_thread_pool_gives_identical_weights(tmp_path, qwen2_converted):
-    tg, _, out = qwen2_converted
-    pooled = tmp_path / "pooled"
-    convert_gguf(tg.write(tmp_path / "m.gguf"), pooled, workers=2)
-    assert (pooled / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+class _Bar:
+    """Stands in for tqdm: counts the bytes reported."""
+
+    def __init__(self, total: int, **_) -> None:
+        self.total, self.n = total, 0
+
+    def __enter__(self) -> _Bar:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def update(self, n: int) -> None:
+        self.n += n
+
+
+def test_thread_pool_gives_identical_weights(tmp_path, monkeypatch):
+    monkeypatch.setattr(gguf_reader, "_DEQUANT_CHUNK_ELEMENTS", 64 * 5)  # many small jobs to share out
+    bars: list[_Bar] = []
+
+    def bar(**kwargs) -> _Bar:
+        bars.append(_Bar(**kwargs))
+        return bars[-1]
+
+    monkeypatch.setattr(gguf_mod, "tqdm", bar)
+    executors: set[int] = set()
+    dequantize_rows = GGUFFile.dequantize_rows
+
+    def recorded(self, *args):
+        executors.add(worker_id())
+        return dequantize_rows(self, *args)
+
+    monkeypatch.setattr(GGUFFile, "dequantize_rows", recorded)
+    tg, _ = tiny_gguf("qwen2", tie=False)
+    path = tg.write(tmp_path / "m.gguf")
+    convert_gguf(path, tmp_path / "serial", pool=ThreadPool(1))
+    assert executors == {0}  # a 1-thread pool: the caller's slot
+    executors.clear()
+    pool = ThreadPool(3)  # more executors than the machine's 2 cores: jobs finish out of order
+    convert_gguf(path, tmp_path / "pooled", pool=pool)
+    pool.shutdown()
+    assert len(executors) > 1
+    assert (tmp_path / "pooled" / "model.safetensors").read_bytes() == (
+        tmp_path / "serial" / "model.safetensors").read_bytes()
+    assert [bar.n for bar in bars] == [bar.total for bar in bars]  # the progress bar saw every byte
+
+
+def test_failing_job_raises_in_the_caller(tmp_path, monkeypatch):
+    monkeypatch.setattr(gguf_reader, "_DEQUANT_CHUNK_ELEMENTS", 64 * 5)
+    dequantize_rows = GGUFFile.dequantize_rows
+
+    def broken(self, name, start, stop):
+        if name == "blk.1.attn_q.weight":
+            raise GGUFError("bad block")
+        return dequantize_rows(self, name, start, stop)
+
+    tg, _ = tiny_gguf("qwen2")
+    path = tg.write(tmp_path / "m.gguf")
+    pool = ThreadPool(2)
+    with monkeypatch.context() as m:
+        m.setattr(GGUFFile, "dequantize_rows", broken)
+        with pytest.raises(GGUFError, match="bad block"):
+            convert_gguf(path, tmp_path / "out", pool=pool)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+    convert_gguf(path, tmp_path / "out", pool=pool)  # the pool is still usable
+    pool.shutdown()
+    loaded = load_file(tmp_path / "out" / "model.safetensors")
+    np.testing.assert_array_equal(loaded["model.layers.1.self_attn.q_proj.weight"],
+                                  tg.expected("blk.1.attn_q.weight"))
 
 
 def test_large_tensors_are_dequantized_in_chunks(tmp_path, monkeypatch):
@@ -103,7 +168,7 @@ def test_large_tensors_are_dequantized_in_chunks(tmp_path, monkeypatch):
     assert g.tensors["blk.0.attn_k.weight"].row_chunks() == [(i, min(i + 5, 32)) for i in range(0, 32, 5)]
     for name in ("token_embd.weight", "blk.0.ffn_down.weight", "blk.1.attn_q.weight"):
         np.testing.assert_array_equal(g.dequantize(name), tg.expected(name))
-    convert_gguf(g.path, tmp_path / "out", workers=2)
+    convert_gguf(g.path, tmp_path / "out", pool=ThreadPool(2))
     loaded = load_file(tmp_path / "out" / "model.safetensors")
     np.testing.assert_array_equal(loaded["model.embed_tokens.weight"], tg.expected("token_embd.weight"))
 

@@ -18,6 +18,7 @@ from slotserve.models.gguf import convert_gguf, hf_config
 from slotserve.models.gguf_reader import GGUFError, read_gguf
 from slotserve.models.loader import load_model
 from slotserve.models.qwen3_moe import SparseMoeBlock
+from slotserve.parallel.threadpool import ThreadPool
 from tests.gguf_fixtures import TinyGGUF, hf_checkpoint, tiny_gguf
 
 IDS = [3, 70, 200, 5, 99, 264, 1, 42, 17, 250, 128, 7, 64, 33, 180, 9]
@@ -68,7 +69,7 @@ def test_q8_0_experts_dequantized_in_chunks_across_expert_boundaries(tmp_path, m
     monkeypatch.setattr(gguf_reader, "_DEQUANT_CHUNK_ELEMENTS", 64 * 5)
     tg, source = tiny_gguf("qwen3moe", tie=True, mixed=False)
     tg.types = {name: gguf.GGMLQuantizationType.Q8_0 for name in tg.tensors if name.endswith("_exps.weight")}
-    out = _convert(tg, tmp_path, workers=2)
+    out = _convert(tg, tmp_path, pool=ThreadPool(2))
 
     got = load_file(out / "model.safetensors")
     assert len([n for n in got if ".experts." in n]) == 3 * 8 * 3

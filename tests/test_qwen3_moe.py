@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from slotserve import SamplingParams
 from slotserve.config import EngineConfig, ModelConfig
 from slotserve.engine.llm_engine import LLMEngine
-from slotserve.models import loader
+from slotserve.models import loader, qwen3_moe
 from slotserve.models.loader import (
     InsufficientMemoryError,
     MemoryInfo,
@@ -27,6 +27,7 @@ from slotserve.models.loader import (
     weight_footprint,
 )
 from slotserve.models.qwen3_moe import SparseMoeBlock
+from slotserve.parallel import threadpool as tp
 from tests.conftest import QWEN_TOKENIZER_DIR
 from tests.test_model_parity import _check_flat_batch, _check_prefill_and_decode, _runner
 
@@ -98,6 +99,41 @@ def test_flat_batch_equals_separate_runs(tmp_path):
     """Routing is per token: a prefill and a decode in one flat batch each get their solo logits."""
     build_tiny_moe(tmp_path, norm_topk_prob=True)
     _check_flat_batch(_runner(tmp_path))
+
+
+def test_experts_on_the_pool_equal_the_serial_loop(monkeypatch):
+    """The pool runs the loop's per-expert matmuls, one torch thread each, into disjoint rows, and the
+    combine stays in the caller: bit-identical to the loop run on one torch thread. (Against a loop on
+    2 torch threads it is not: MKL's sgemm rounds differently by thread count for some shapes.)"""
+    cfg = ModelConfig.from_dict({**QWEN3_30B_A3B, "hidden_size": 64, "moe_intermediate_size": 32,
+                                 "num_experts": 16, "num_experts_per_tok": 4})
+    torch.manual_seed(0)
+    block = SparseMoeBlock(cfg)
+    with torch.inference_mode():  # an inference tensor, as the engine's hidden states are
+        x = torch.randn(100, 64)
+    executors: set[int] = set()
+    for expert in block.experts:
+        expert.register_forward_hook(lambda *_: executors.add(tp.worker_id()))
+
+    def forward(min_rows: int) -> torch.Tensor:
+        executors.clear()
+        monkeypatch.setattr(qwen3_moe, "POOL_MIN_ROWS", min_rows)
+        with torch.inference_mode():  # a per-thread mode in torch: the workers must run in it too
+            return block(x)
+
+    saved = torch.get_num_threads()
+    pool = tp.configure_pool(threads=2)
+    try:
+        torch.set_num_threads(1)
+        serial = forward(len(x) * cfg.num_experts_per_tok + 1)  # more rows than there are
+        assert executors == {-1}  # the loop, outside any pool region
+        pooled = forward(1)
+        assert executors == {0, 1}  # the worker and the caller
+        assert torch.get_num_threads() == 1  # torch_parfor restores the caller's count
+    finally:
+        torch.set_num_threads(saved)
+        pool.shutdown()
+    assert torch.equal(pooled, serial)
 
 
 # ---- through the engine ------------------------------------------------------------------------
