@@ -6,8 +6,7 @@
   executor) on 1..N pool threads, with and without pinning the workers, beside torch's own intra-op
   threading on the same matmuls in one thread.
 - engine: the engine's decode step (batch 1, and a batch of sequences) with 1..N threads for torch and
-  the pool (`--threads`), with and without `--cpu-affinity`; at N threads also with the sequences'
-  attention run in order instead of across the pool: the data behind the defaults.
+  the pool (`--threads`), with and without `--cpu-affinity`: the data behind the defaults.
 
 This module imports torch only when it runs, so the CLI can build its parser without it.
 """
@@ -122,33 +121,27 @@ def _engine(make_engine: Callable[[], Any], args: argparse.Namespace, counts: li
     from slotserve.parallel.cpu import apply_cpu_settings, restrict_process
 
     engine = make_engine()
-    runner = engine.runner
     all_cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     one, release_one = decode_step(engine, 1, args.engine_context)
     batched, release_batched = decode_step(engine, args.engine_batch, args.engine_context, seed=1)
     rows = []
     try:
         for threads in counts:
-            pinned_runs = (False, True) if cpus is not None and threads <= len(cpus) else (False,)
-            attention_runs = (True, False) if threads == max(counts) and threads > 1 else (True,)
-            for pinned in pinned_runs:
-                for pool_attention in attention_runs:
-                    apply_cpu_settings(threads, cpus[:threads] if pinned else None)
-                    runner.parallel_attention = pool_attention
-                    rows.append({"threads": threads, "pinned": pinned, "pool_attention": pool_attention,
-                                 "batch1_ms": round(median_seconds(one, args.repeats) * 1e3, 1),
-                                 f"batch{args.engine_batch}_ms": round(median_seconds(batched, args.repeats) * 1e3, 1)})
-                    if pinned and all_cores is not None:
-                        restrict_process(all_cores)
+            for pinned in (False, True) if cpus is not None and threads <= len(cpus) else (False,):
+                apply_cpu_settings(threads, cpus[:threads] if pinned else None)
+                rows.append({"threads": threads, "pinned": pinned,
+                             "batch1_ms": round(median_seconds(one, args.repeats) * 1e3, 1),
+                             f"batch{args.engine_batch}_ms": round(median_seconds(batched, args.repeats) * 1e3, 1)})
+                if pinned and all_cores is not None:
+                    restrict_process(all_cores)
     finally:
-        runner.parallel_attention = True
         release_one()
         release_batched()
         apply_cpu_settings()
     key = f"batch{args.engine_batch}_ms"
     best = min(rows, key=lambda r: r[key])
     return {"model": engine.config.model, "context": args.engine_context, "steps": rows,
-            f"fastest_batch{args.engine_batch}": {k: best[k] for k in ("threads", "pinned", "pool_attention")}}
+            f"fastest_batch{args.engine_batch}": {k: best[k] for k in ("threads", "pinned")}}
 
 
 def run_threads(args: argparse.Namespace, make_engine: Callable[[], Any] | None = None) -> dict[str, Any]:

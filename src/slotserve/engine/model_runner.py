@@ -35,9 +35,8 @@ class ModelRunner:
     """Owns the model and its paged KV cache; stateless across steps beyond the cache contents."""
 
     def __init__(self, model: nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 decode_mode: str = "batched", parallel_attention: bool = True) -> None:
+                 decode_mode: str = "batched") -> None:
         self.model, self.cfg, self.decode_mode = model, cfg, decode_mode
-        self.parallel_attention = parallel_attention
         self.block_size, self.num_blocks = block_size, num_blocks
         self.workspace = GatherWorkspace()
         param = next(model.parameters())
@@ -84,7 +83,6 @@ class ModelRunner:
             block_size=self.block_size,
             decode_mode=self.decode_mode,
             workspace=self.workspace,
-            parallel=self.parallel_attention,
         )
         hidden = self.model(as_tensor(input_ids), as_tensor(positions), meta)
         wanted = [i for r, seq in zip(rows, seqs, strict=True) if seq.logits != "hidden" for i in r]

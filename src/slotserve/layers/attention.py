@@ -21,32 +21,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slotserve.parallel.cpu import torch_parfor
-from slotserve.parallel.threadpool import worker_id
-
 DECODE_MODES = ("batched", "per_seq")
 
 
 class GatherWorkspace:
-    """Scratch buffers that gathered K/V land in, reused by every layer and every step; one pair per
-    pool executor, since sequences are attended to in parallel.
+    """Scratch buffers that gathered K/V land in, reused by every layer and every step.
 
     A fresh multi-MB tensor per gather page-faults all of its memory each time (glibc maps large
     allocations anew); gathering into memory that is already mapped is several times faster here."""
 
     def __init__(self) -> None:
-        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._k = self._v = torch.empty(0)
 
     def take(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two [rows, *like.shape[1:]] buffers of the calling executor; valid until its next call."""
-        slot = worker_id()
-        k, v = self._buffers.get(slot, (torch.empty(0), torch.empty(0)))
-        if k.shape[0] < rows or k.shape[1:] != like.shape[1:] or k.dtype != like.dtype:
-            shape = (max(rows, 2 * k.shape[0]), *like.shape[1:])
-            k = torch.empty(shape, dtype=like.dtype, device=like.device)
-            v = torch.empty_like(k)
-            self._buffers[slot] = k, v
-        return k[:rows], v[:rows]
+        """Two [rows, *like.shape[1:]] buffers; valid until the next call."""
+        if self._k.shape[0] < rows or self._k.shape[1:] != like.shape[1:] or self._k.dtype != like.dtype:
+            shape = (max(rows, 2 * self._k.shape[0]), *like.shape[1:])
+            self._k = torch.empty(shape, dtype=like.dtype, device=like.device)
+            self._v = torch.empty_like(self._k)
+        return self._k[:rows], self._v[:rows]
 
 
 @dataclass
@@ -68,8 +61,6 @@ class AttentionMetadata:
     context: list[slice | torch.Tensor | None]  # per sequence its context's slots; None: in `decode`
     decode: DecodeBatch | None = None
     workspace: GatherWorkspace | None = None
-    parallel: bool = False  # attend to the sequences in `context` across the CPU thread pool
-
 
     @property
     def num_seqs(self) -> int:
@@ -79,7 +70,7 @@ class AttentionMetadata:
     def build(
         cls, query_lens: list[int], seq_lens: list[int], slot_mapping: torch.Tensor,
         block_tables: list[list[int]], block_size: int, decode_mode: str = "batched",
-        workspace: GatherWorkspace | None = None, parallel: bool = False,
+        workspace: GatherWorkspace | None = None,
     ) -> AttentionMetadata:
         if decode_mode not in DECODE_MODES:
             raise ValueError(f"decode_mode: must be one of {DECODE_MODES}, got {decode_mode!r}")
@@ -100,8 +91,7 @@ class AttentionMetadata:
                 context.append(_slots(table, length, block_size, device))
         decode = _decode_batch([query_start[i] for i in batched], [block_tables[i] for i in batched],
                                [seq_lens[i] for i in batched], block_size, device) if batched else None
-        return cls(query_start, list(seq_lens), slot_mapping, context, decode, workspace or GatherWorkspace(),
-                   parallel and device.type == "cpu")
+        return cls(query_start, list(seq_lens), slot_mapping, context, decode, workspace or GatherWorkspace())
 
 
 def _consecutive_start(blocks: list[int], length: int, block_size: int) -> int | None:
@@ -148,19 +138,12 @@ class Attention(nn.Module):
         self.k_cache.index_copy_(0, meta.slot_mapping, k)
         self.v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
-        seqs = [i for i, slots in enumerate(meta.context) if slots is not None]
-
-        def attend_seq(_ctx: None, j: int) -> None:
-            i = seqs[j]
+        for i, slots in enumerate(meta.context):
+            if slots is None:
+                continue
             start, end = meta.query_start[i], meta.query_start[i + 1]
-            keys, values = self._read(meta.context[i], meta.workspace)
-            out[start:end] = self._attend(q[start:end], keys, values)  # rows of its own: no two bodies share one
-
-        if meta.parallel:
-            torch_parfor(0, len(seqs), attend_seq)
-        else:
-            for j in range(len(seqs)):
-                attend_seq(None, j)
+            keys, values = self._read(slots, meta.workspace)
+            out[start:end] = self._attend(q[start:end], keys, values)
         if meta.decode is not None:
             out[meta.decode.rows] = self._attend_decode(q, meta.decode, meta.workspace)
         return out
