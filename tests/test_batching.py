@@ -74,7 +74,9 @@ def test_forced_preemption(tiny_qwen3, solo):
 
 
 def test_seeded_sampling_survives_preemption(tiny_qwen3):
-    params = SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
+    # top_k: recomputing a decoded token as part of a prompt rounds differently (1e-6), which over the
+    # random model's near-uniform 151k-token distribution could move the sampled token to a neighbour.
+    params = SamplingParams(temperature=1.0, top_k=50, seed=5, max_tokens=12, ignore_eos=True)
     roomy = run(make_engine(tiny_qwen3), PROMPTS, params)
     tight = make_engine(tiny_qwen3, blocks=24)
     assert run(tight, PROMPTS, params) == roomy and tight.stats().num_preemptions > 0
