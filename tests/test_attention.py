@@ -87,3 +87,30 @@ def test_a_sequence_reads_the_same_bits_in_place_or_gathered():
     alone = torch.cat([decode(consecutive, [i]) for i in range(len(lengths))])
     assert torch.equal(decode(scattered, [0, 1, 2]), alone)
     assert torch.equal(decode(consecutive, [0, 1, 2]), alone)
+
+
+@pytest.mark.parametrize("mode", ["batched", "per_seq"])
+def test_decode_rows_get_the_same_bits_alone_or_batched(mode):
+    """Real head sizes and lengths far apart: in a padded batch a short sequence meets many more keys
+    than alone, and the kernel's result for a row changes with the key count unless it is aligned."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, bs = 14, 2, 64, 16
+    lengths = [37, 100, 250, 3]
+    attn = Attention(heads, kv_heads, dim, dim**-0.5)
+    need = [-(-n // bs) for n in lengths]
+    attn.k_cache = torch.randn(sum(need) * bs, kv_heads, dim)
+    attn.v_cache = torch.randn(sum(need) * bs, kv_heads, dim)
+    ids = list(range(sum(need)))
+    random.Random(0).shuffle(ids)
+    tables = [ids[sum(need[:i]):sum(need[:i + 1])] for i in range(len(lengths))]
+    q = torch.randn(len(lengths), heads, dim)
+    k, v = torch.randn(len(lengths), kv_heads, dim), torch.randn(len(lengths), kv_heads, dim)
+
+    def decode(seqs: list[int]) -> torch.Tensor:
+        slots = torch.tensor([tables[i][(lengths[i] - 1) // bs] * bs + (lengths[i] - 1) % bs for i in seqs])
+        meta = AttentionMetadata.build([1] * len(seqs), [lengths[i] for i in seqs], slots,
+                                       [tables[i] for i in seqs], bs, decode_mode=mode)
+        return attn(q[seqs], k[seqs], v[seqs], meta)
+
+    alone = torch.cat([decode([i]) for i in range(len(lengths))])
+    assert torch.equal(decode(list(range(len(lengths)))), alone)

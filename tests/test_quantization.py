@@ -119,3 +119,30 @@ def test_quality_bench_runs(tiny_qwen2):
     assert 0 <= result["comparison"]["greedy_identical_fraction"] <= 1
     assert result["comparison"]["int8_greedy_same_alone_and_batched"]
     assert result["int8"]["decode_batch1_tokens_per_s"] > 0
+
+
+def test_int8_decode_logits_bitwise_the_same_alone_and_batched(llms):
+    """int8 linears are exact per row and attention pads every read to the same key count class, so a
+    decode step's logits do not depend on the company or on how its blocks lie (scattered here)."""
+    engine = llms[1].engine
+    runner, pool = engine.runner, engine.kv.pool
+    lengths = [5, 19, 33, 12]
+    tables: list[list[int]] = [[] for _ in lengths]
+    for _ in range(max(engine.kv.blocks_for(n + 1) for n in lengths)):  # round-robin: non-consecutive
+        for table in tables:
+            table.extend(pool.allocate(1))
+    try:
+        with torch.inference_mode():
+            for i, (n, table) in enumerate(zip(lengths, tables, strict=True)):
+                runner.execute([ScheduledSeq([100 + 7 * i + j for j in range(n)], 0, table, logits="none")])
+            step = [ScheduledSeq([42 + i], n, table) for i, (n, table) in enumerate(zip(lengths, tables, strict=True))]
+            alone = [runner.execute([seq])[0] for seq in step]
+            together = runner.execute(step)
+            runner.decode_mode = "per_seq"
+            per_seq = runner.execute(step)  # each sequence read on its own
+    finally:
+        runner.decode_mode = "batched"
+        for table in tables:
+            pool.free(table)
+    for a, b, c in zip(alone, together, per_seq, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
