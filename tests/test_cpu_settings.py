@@ -95,3 +95,22 @@ def test_torch_parfor_reraises_and_restores(restore_cpu):
     with pytest.raises(KeyError, match="item 5"):
         torch_parfor(0, 8, body)
     assert torch.get_num_threads() == 2
+
+
+def test_bench_threads_times_the_engine_on_each_setting(tiny_qwen2, restore_cpu):
+    import argparse
+
+    from slotserve import LLM
+    from slotserve.bench.threads import add_arguments, run_threads
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    core = min(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    args = parser.parse_args(["--threads", "1,2", "--cpu-affinity", str(core), "--regions", "10", "--matmul-size",
+                              "8", "--items", "2", "--repeats", "1", "--engine-batch", "3", "--engine-context", "20"])
+    result = run_threads(args, lambda: LLM(str(tiny_qwen2), kv_cache_memory=8 << 20).engine)
+    steps = result["engine"]["steps"]
+    pinned = hasattr(os, "sched_setaffinity")
+    assert [(s["threads"], s["pinned"]) for s in steps] == [(1, False), *([(1, True)] if pinned else []), (2, False)]
+    assert all(s["batch1_ms"] > 0 and s["batch3_ms"] > 0 for s in steps)
+    assert tp.get_pool().threads == tp.default_threads()  # the engine's defaults are back afterwards
