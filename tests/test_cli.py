@@ -72,6 +72,14 @@ def test_bench_throughput_and_attention_print_json(tiny_qwen3):
     assert result.returncode == 0, result.stderr
     kernels = json.loads(result.stdout.strip().splitlines()[-1])
     assert kernels["memory_read_GBps"] > 0 and kernels["decode_batch1"]["fraction_of_bound"] > 0
+    result = run("bench", "kernels", "-m", str(tiny_qwen3), "--kv-cache-memory", "8M", "--prefill-len", "32",
+                 "--batch", "4", "--context-len", "16", "--decode-steps", "2", "--repeats", "1",
+                 "--quantization", "int8")
+    assert result.returncode == 0, result.stderr
+    int8 = json.loads(result.stdout.strip().splitlines()[-1])
+    # int8 weights stream a quarter of the bytes (the float embedding is not streamed per token).
+    assert int8["quantization"] == "int8"
+    assert int8["decode_batch1"]["bytes_per_token_MB"] < kernels["decode_batch1"]["bytes_per_token_MB"] / 3
     result = run("bench", "attention", "--num-seqs", "4", "--context-len", "40", "--repeats", "2")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["batched_gather_ms"] > 0

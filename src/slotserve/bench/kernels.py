@@ -20,6 +20,7 @@ from torch import nn
 from slotserve.bench.timing import median_seconds
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.model_runner import ScheduledSeq
+from slotserve.layers.quantization import Int8Linear
 
 
 def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -53,20 +54,25 @@ def decode_step(engine: LLMEngine, batch: int, context_len: int,
     return lambda: runner.execute(step), release
 
 
-def _linear_params(model: nn.Module) -> tuple[int, int]:
-    """(parameters in decoder linears, parameters in the output head)."""
-    head = model.lm_head.weight.numel() if hasattr(model, "lm_head") else 0
-    body = sum(m.weight.numel() for name, m in model.named_modules()
-               if isinstance(m, nn.Linear) and not name.endswith("lm_head"))
-    return body, head
+def _linear_params(model: nn.Module) -> tuple[int, int, int]:
+    """(parameters in decoder linears, parameters in the output head, bytes of all of them)."""
+    body = head = nbytes = 0
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear | Int8Linear):
+            params = m.in_features * m.out_features
+            nbytes += params * (1 if isinstance(m, Int8Linear) else m.weight.element_size())
+            if name.endswith("lm_head"):
+                head += params
+            else:
+                body += params
+    return body, head, nbytes
 
 
 def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
     core, cfg, runner = engine.core, engine.model_config, engine.runner
     rng = random.Random(0)
     bandwidth, gemm = measure_bandwidth(), measure_gemm()
-    body, head = _linear_params(core.model)
-    elem = torch.empty(0, dtype=core.dtype).element_size()
+    body, head, weight_bytes = _linear_params(core.model)
     kv_per_token = runner.cache_bytes_per_token(cfg, core.dtype)
 
     def attention_flops(queries: int, context: int) -> float:
@@ -96,7 +102,7 @@ def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
             token = int(runner.execute([ScheduledSeq([token], pos, table)])[0][0].argmax())
         decode_s = (time.perf_counter() - start) / args.decode_steps
         engine.kv.pool.free(table)
-        decode_bytes = (body + head) * elem + kv_per_token * (16 + args.decode_steps // 2)
+        decode_bytes = weight_bytes + kv_per_token * (16 + args.decode_steps // 2)
 
         # Batched decode: `batch` sequences of `context_len` tokens, one new token each.
         step, release = decode_step(engine, args.batch, args.context_len)
@@ -107,7 +113,8 @@ def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
     decode_bound = bandwidth / decode_bytes
     return {
         "bench": "kernels", "model": engine.config.model, "device": str(core.device),
-        "dtype": str(core.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+        "dtype": str(core.dtype).removeprefix("torch."), "quantization": engine.config.quantization,
+        "threads": torch.get_num_threads(),
         "memory_read_GBps": round(bandwidth / 1e9, 1),
         "gemm_fp32_GFLOPs": round(gemm / 1e9, 1),
         "decode_batch1": {
