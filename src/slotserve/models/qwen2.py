@@ -15,6 +15,7 @@ from torch import nn
 
 from slotserve.config import ModelConfig
 from slotserve.layers.attention import Attention, AttentionMetadata
+from slotserve.layers.linear import Linear
 from slotserve.layers.norm import RMSNorm
 from slotserve.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -42,10 +43,10 @@ class QwenAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         # Separate projections (not one fused GEMM) so every checkpoint tensor maps to one parameter and
         # loads zero-copy from the memory-mapped file; at batch 1 on CPU fusing saves nothing measurable.
-        self.q_proj = nn.Linear(cfg.hidden_size, self.q_size, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, self.q_size, bias=cfg.attention_bias)
+        self.k_proj = Linear(cfg.hidden_size, self.kv_size, bias=cfg.attention_bias)
+        self.v_proj = Linear(cfg.hidden_size, self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
@@ -64,9 +65,9 @@ class QwenAttention(nn.Module):
 class QwenMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -116,7 +117,7 @@ class Qwen2ForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = QwenModel(cfg, max(max_position or 0, cfg.max_position_embeddings), self.mlp_for_layer)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
