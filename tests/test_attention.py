@@ -24,7 +24,8 @@ def _reference(q, keys, values, start):
 
 @pytest.mark.parametrize("mode", ["batched", "per_seq"])
 @pytest.mark.parametrize("layout", ["consecutive", "scattered"])
-def test_mixed_batch_matches_reference(mode, layout):
+@pytest.mark.parametrize("gather_limit", [0, 1000])  # 1000: consecutive decode rows join the batched gather
+def test_mixed_batch_matches_reference(mode, layout, gather_limit):
     rng = random.Random(1)
     torch.manual_seed(0)
     query_lens, seq_lens = [1, 5, 1, 1, 3], [9, 5, 14, 3, 11]  # decodes, a prefill and a chunk after a prefix
@@ -44,7 +45,12 @@ def test_mixed_batch_matches_reference(mode, layout):
     slots = [t[p // BS] * BS + p % BS for t, n, ql in zip(tables, seq_lens, query_lens, strict=True)
              for p in range(n - ql, n)]
     meta = AttentionMetadata.build(query_lens, seq_lens, torch.tensor(slots), tables, BS, decode_mode=mode,
-                                   workspace=GatherWorkspace())
+                                   workspace=GatherWorkspace(), gather_limit=gather_limit)
+    joined = [c is None for c, ql in zip(meta.context, query_lens, strict=True) if ql == 1]
+    if mode == "per_seq":
+        assert not any(joined)
+    elif gather_limit:
+        assert all(joined)
     out = attn(q, k, v, meta)
     row = 0
     for table, n, ql in zip(tables, seq_lens, query_lens, strict=True):
@@ -89,8 +95,8 @@ def test_a_sequence_reads_the_same_bits_in_place_or_gathered():
     assert torch.equal(decode(consecutive, [0, 1, 2]), alone)
 
 
-@pytest.mark.parametrize("mode", ["batched", "per_seq"])
-def test_decode_rows_get_the_same_bits_alone_or_batched(mode):
+@pytest.mark.parametrize("mode, gather_limit", [("batched", 0), ("batched", 1000), ("per_seq", 0)])
+def test_decode_rows_get_the_same_bits_alone_or_batched(mode, gather_limit):
     """Real head sizes and lengths far apart: in a padded batch a short sequence meets many more keys
     than alone, and the kernel's result for a row changes with the key count unless it is aligned."""
     torch.manual_seed(0)
@@ -101,7 +107,8 @@ def test_decode_rows_get_the_same_bits_alone_or_batched(mode):
     attn.k_cache = torch.randn(sum(need) * bs, kv_heads, dim)
     attn.v_cache = torch.randn(sum(need) * bs, kv_heads, dim)
     ids = list(range(sum(need)))
-    random.Random(0).shuffle(ids)
+    if gather_limit == 0:
+        random.Random(0).shuffle(ids)  # else consecutive: alone they are read in place, together gathered
     tables = [ids[sum(need[:i]):sum(need[:i + 1])] for i in range(len(lengths))]
     q = torch.randn(len(lengths), heads, dim)
     k, v = torch.randn(len(lengths), kv_heads, dim), torch.randn(len(lengths), kv_heads, dim)
@@ -109,7 +116,7 @@ def test_decode_rows_get_the_same_bits_alone_or_batched(mode):
     def decode(seqs: list[int]) -> torch.Tensor:
         slots = torch.tensor([tables[i][(lengths[i] - 1) // bs] * bs + (lengths[i] - 1) % bs for i in seqs])
         meta = AttentionMetadata.build([1] * len(seqs), [lengths[i] for i in seqs], slots,
-                                       [tables[i] for i in seqs], bs, decode_mode=mode)
+                                       [tables[i] for i in seqs], bs, decode_mode=mode, gather_limit=gather_limit)
         return attn(q[seqs], k[seqs], v[seqs], meta)
 
     alone = torch.cat([decode([i]) for i in range(len(lengths))])

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from slotserve.config import ModelConfig
-from slotserve.layers.attention import Attention, AttentionMetadata, GatherWorkspace
+from slotserve.layers.attention import Attention, AttentionMetadata, GatherWorkspace, gather_max_tokens
 
 
 @dataclass
@@ -41,6 +41,7 @@ class ModelRunner:
         self.workspace = GatherWorkspace()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.gather_limit = gather_max_tokens(cfg.num_key_value_heads, cfg.head_dim, self.dtype)
         shape = (cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -82,6 +83,7 @@ class ModelRunner:
             block_tables=[s.block_table for s in seqs],
             block_size=self.block_size,
             decode_mode=self.decode_mode,
+            gather_limit=self.gather_limit,
             workspace=self.workspace,
         )
         hidden = self.model(as_tensor(input_ids), as_tensor(positions), meta)
