@@ -27,15 +27,23 @@ async def _collect(engine: AsyncLLM, request_id: str, prompt, params) -> tuple[s
     return text, tokens
 
 
+def _offline(path) -> list[tuple[str, list[int]]]:
+    """Each prompt's greedy (text, token ids) from the offline engine: what serving must reproduce."""
+    offline = LLM(str(path), kv_cache_memory=8 << 20)
+    return [(o.outputs[0].text, o.outputs[0].token_ids) for o in offline.generate(PROMPTS, GREEDY)]
+
+
+async def _all_at_once(engine: AsyncLLM, tag: str) -> list[tuple[str, list[int]]]:
+    return list(await asyncio.gather(*[_collect(engine, f"{tag}{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]))
+
+
 def test_concurrent_requests_match_offline_and_aborts_free_blocks(tiny_qwen3):
-    offline = LLM(str(tiny_qwen3), kv_cache_memory=8 << 20)
-    expected = [(o.outputs[0].text, o.outputs[0].token_ids) for o in offline.generate(PROMPTS, GREEDY)]
+    expected = _offline(tiny_qwen3)
 
     async def main():
         engine = await AsyncLLM.create(_config(tiny_qwen3))
         try:
-            results = await asyncio.gather(*[_collect(engine, f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
-            assert list(results) == expected
+            assert await _all_at_once(engine, "r") == expected
 
             long = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
             stream = engine.generate("cancel-me", PROMPTS[0], long)
@@ -107,14 +115,12 @@ def test_moe_model_serves_like_a_dense_one(tmp_path):
     from tests.test_qwen3_moe import build_tiny_moe
 
     build_tiny_moe(tmp_path)
-    offline = LLM(str(tmp_path), kv_cache_memory=8 << 20)
-    expected = [(o.outputs[0].text, o.outputs[0].token_ids) for o in offline.generate(PROMPTS, GREEDY)]
+    expected = _offline(tmp_path)
 
     async def main():
         engine = await AsyncLLM.create(_config(tmp_path))
         try:
-            results = await asyncio.gather(*[_collect(engine, f"m{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
-            assert list(results) == expected
+            assert await _all_at_once(engine, "m") == expected
         finally:
             await engine.shutdown()
 

@@ -101,7 +101,7 @@ class AttentionMetadata:
                 context.append(None)
                 batched.append(i)
             else:
-                context.append(_slots(table, length, block_size, padded_len(length), device))
+                context.append(_slots(table, block_size, padded_len(length), device))
         decode = _decode_batch([query_start[i] for i in batched], [block_tables[i] for i in batched],
                                [seq_lens[i] for i in batched], block_size, device) if batched else None
         return cls(query_start, list(seq_lens), slot_mapping, context, decode, workspace or GatherWorkspace())
@@ -129,7 +129,7 @@ def _consecutive_start(blocks: list[int], length: int, block_size: int) -> int |
     return None
 
 
-def _slots(blocks: list[int], length: int, block_size: int, width: int, device: torch.device) -> torch.Tensor:
+def _slots(blocks: list[int], block_size: int, width: int, device: torch.device) -> torch.Tensor:
     """The cache slots of a sequence's first `width` positions; past its blocks, slot 0 (masked out)."""
     used = blocks[: -(-min(width, len(blocks) * block_size) // block_size)]
     slots = (torch.tensor(used, device=device)[:, None] * block_size + torch.arange(block_size, device=device))
@@ -140,8 +140,7 @@ def _slots(blocks: list[int], length: int, block_size: int, width: int, device: 
 def _decode_batch(rows: list[int], tables: list[list[int]], lengths: list[int], block_size: int,
                   device: torch.device) -> DecodeBatch:
     width = padded_len(max(lengths))
-    slots = torch.stack([_slots(table, length, block_size, width, device)
-                         for table, length in zip(tables, lengths, strict=True)])
+    slots = torch.stack([_slots(table, block_size, width, device) for table in tables])
     lens = torch.tensor(lengths, device=device)
     mask = (torch.arange(width, device=device)[None, :] < lens[:, None])[:, None, None, :]
     return DecodeBatch(torch.tensor(rows, device=device), slots, mask)
