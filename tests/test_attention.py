@@ -7,9 +7,12 @@ import random
 import pytest
 import torch
 
-from slotserve.layers.attention import Attention, AttentionMetadata, GatherWorkspace
+from slotserve.kernels import decode_attention
+from slotserve.layers.attention import Attention, AttentionMetadata, GatherWorkspace, PagedDecodeBatch
 
 BS, H, KV, D = 4, 4, 2, 8
+NEEDS_KERNEL = pytest.mark.skipif(not decode_attention.available(), reason="no C compiler with OpenMP here")
+PAGED = pytest.param("paged", marks=NEEDS_KERNEL)
 
 
 def _reference(q, keys, values, start):
@@ -22,7 +25,7 @@ def _reference(q, keys, values, start):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("mode", ["batched", "per_seq"])
+@pytest.mark.parametrize("mode", [PAGED, "batched", "per_seq"])
 @pytest.mark.parametrize("layout", ["consecutive", "scattered"])
 @pytest.mark.parametrize("gather_limit", [0, 1000])  # 1000: consecutive decode rows join the batched gather
 def test_mixed_batch_matches_reference(mode, layout, gather_limit):
@@ -49,8 +52,9 @@ def test_mixed_batch_matches_reference(mode, layout, gather_limit):
     joined = [c is None for c, ql in zip(meta.context, query_lens, strict=True) if ql == 1]
     if mode == "per_seq":
         assert not any(joined)
-    elif gather_limit:
+    elif gather_limit or mode == "paged":
         assert all(joined)
+    assert isinstance(meta.decode, PagedDecodeBatch) == (mode == "paged")
     out = attn(q, k, v, meta)
     row = 0
     for table, n, ql in zip(tables, seq_lens, query_lens, strict=True):
@@ -65,9 +69,11 @@ def test_unknown_decode_mode_is_rejected():
         AttentionMetadata.build([1], [1], torch.tensor([0]), [[0]], BS, decode_mode="magic")
 
 
-def test_a_sequence_reads_the_same_bits_in_place_or_gathered():
+@pytest.mark.parametrize("mode", ["per_seq", PAGED])
+def test_a_sequence_reads_the_same_bits_in_place_or_gathered(mode):
     """per_seq mode gives a sequence the same SDPA call whatever its blocks' layout or its company, so
-    its output is bitwise the same (what keeps int8's greedy output the same alone and batched)."""
+    its output is bitwise the same (what keeps int8's greedy output the same alone and batched); the paged
+    kernel visits the keys in position order whatever blocks hold them."""
     torch.manual_seed(0)
     lengths = [13, 7, 10]
     num_blocks = 16
@@ -83,7 +89,7 @@ def test_a_sequence_reads_the_same_bits_in_place_or_gathered():
             attn.k_cache[slots], attn.v_cache[slots] = history[i]
         new = [tables[i][(lengths[i] - 1) // BS] * BS + (lengths[i] - 1) % BS for i in seqs]
         meta = AttentionMetadata.build([1] * len(seqs), [lengths[i] for i in seqs], torch.tensor(new),
-                                       [tables[i] for i in seqs], BS, decode_mode="per_seq")
+                                       [tables[i] for i in seqs], BS, decode_mode=mode)
         k = torch.stack([history[i][0][-1] for i in seqs])
         v = torch.stack([history[i][1][-1] for i in seqs])
         return attn(q[seqs], k, v, meta)
@@ -95,7 +101,8 @@ def test_a_sequence_reads_the_same_bits_in_place_or_gathered():
     assert torch.equal(decode(consecutive, [0, 1, 2]), alone)
 
 
-@pytest.mark.parametrize("mode, gather_limit", [("batched", 0), ("batched", 1000), ("per_seq", 0)])
+@pytest.mark.parametrize("mode, gather_limit", [("batched", 0), ("batched", 1000), ("per_seq", 0),
+                                               pytest.param("paged", 0, marks=NEEDS_KERNEL)])
 def test_decode_rows_get_the_same_bits_alone_or_batched(mode, gather_limit):
     """Real head sizes and lengths far apart: in a padded batch a short sequence meets many more keys
     than alone, and the kernel's result for a row changes with the key count unless it is aligned."""
@@ -121,3 +128,53 @@ def test_decode_rows_get_the_same_bits_alone_or_batched(mode, gather_limit):
 
     alone = torch.cat([decode([i]) for i in range(len(lengths))])
     assert torch.equal(decode(list(range(len(lengths)))), alone)
+
+
+@NEEDS_KERNEL
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(14, 2, 64), (8, 8, 128), (6, 2, 24), (1, 1, 1)])
+def test_paged_kernel_matches_reference_for_many_shapes(heads, kv_heads, dim):
+    """Head sizes with and without a vector tail, no GQA and deep GQA, lengths around the vector width."""
+    torch.manual_seed(0)
+    bs, lengths = 16, [1, 2, 15, 16, 17, 31, 33, 200]
+    need = [-(-n // bs) for n in lengths]
+    ids = list(range(sum(need)))
+    random.Random(2).shuffle(ids)
+    tables = [ids[sum(need[:i]):sum(need[:i + 1])] for i in range(len(lengths))]
+    k_cache, v_cache = torch.randn(len(ids) * bs, kv_heads, dim), torch.randn(len(ids) * bs, kv_heads, dim)
+    q = torch.randn(len(lengths) + 1, heads, dim)  # a spare row the kernel must leave alone
+    out = torch.full_like(q, 7.0)
+    width = max(need)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    rows = torch.arange(1, len(lengths) + 1)
+    decode_attention.decode_attention(q, out, rows, k_cache, v_cache, padded,
+                                      torch.tensor(lengths, dtype=torch.int32), bs, dim**-0.5)
+    assert torch.equal(out[0], torch.full_like(out[0], 7.0))
+    for row, table, n in zip(rows.tolist(), tables, lengths, strict=True):
+        ctx = [table[p // bs] * bs + p % bs for p in range(n)]
+        k = k_cache[ctx].repeat_interleave(heads // kv_heads, dim=1)
+        v = v_cache[ctx].repeat_interleave(heads // kv_heads, dim=1)
+        expected = torch.einsum("hk,khd->hd", torch.einsum("hd,khd->hk", q[row], k).mul(dim**-0.5).softmax(-1), v)
+        torch.testing.assert_close(out[row], expected, rtol=1e-5, atol=1e-5)
+
+
+@NEEDS_KERNEL
+def test_paged_kernel_rejects_tables_that_do_not_fit_the_cache():
+    q, out = torch.randn(2, H, D), torch.empty(2, H, D)
+    cache = torch.randn(4 * BS, KV, D)
+    table, rows = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([0, 1])
+
+    def call(table=table, lens=(3, 5), rows=rows, q=q):
+        decode_attention.decode_attention(q, out, rows, cache, cache, table, torch.tensor(lens, dtype=torch.int32),
+                                          BS, 1.0)
+
+    call()
+    with pytest.raises(ValueError, match="out of range"):
+        call(lens=(3, 2 * BS + 1))  # more keys than the table's blocks hold
+    with pytest.raises(ValueError, match="out of range"):
+        call(lens=(0, 5))
+    with pytest.raises(ValueError, match="out of range"):
+        call(table=torch.tensor([[0, 1], [2, 4]], dtype=torch.int32))  # block 4 is past the cache
+    with pytest.raises(ValueError, match="out of range"):
+        call(rows=torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="float32"):
+        call(q=q.double())

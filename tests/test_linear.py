@@ -1,30 +1,125 @@
-"""The model's Linear: the small-batch product taken as W @ x^T gives nn.Linear's result."""
+"""The model's Linear and the native small GEMM behind it: F.linear's results for every batch size,
+bitwise the same row whatever batch it is in, and torch's path wherever the kernel does not apply."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from slotserve.layers.linear import SMALL_BATCH, Linear
+from slotserve.kernels import native, small_gemm
+from slotserve.layers import linear
+from slotserve.layers.linear import NATIVE_ROWS, TRANSPOSED_ROWS, Linear
+
+needs_kernel = pytest.mark.skipif(not small_gemm.available(), reason="no C compiler with OpenMP here")
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 4, 15, 16, 17, 31, 32, 33, 48, 63, 64, 65, 100])
+@pytest.mark.parametrize(("k", "n"), [(1, 1), (7, 5), (64, 13), (96, 25), (896, 131)])
+def test_small_gemm_matches_float64(rows, k, n):
+    torch.manual_seed(rows * 1000 + n)
+    x, w, b = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
+    torch.testing.assert_close(small_gemm.small_gemm(x, w, b), _reference(x, w, b), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(small_gemm.small_gemm(x, w), _reference(x, w, None), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_a_row_gets_the_same_bits_in_any_batch():
+    torch.manual_seed(0)
+    w, b = torch.randn(300, 896), torch.randn(300)
+    x = torch.randn(64, 896)
+    alone = small_gemm.small_gemm(x[:1], w, b)
+    for rows in (2, 4, 5, 16, 17, 32, 47, 64):
+        batch = torch.cat([x[1:rows], x[:1]])  # the row last, at a different offset each time
+        assert torch.equal(small_gemm.small_gemm(batch, w, b)[-1:], alone), rows
+
+
+@needs_kernel
+def test_small_gemm_uses_every_thread_count_the_same_way():
+    torch.manual_seed(0)
+    x, w = torch.randn(32, 200), torch.randn(1000, 200)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = small_gemm.small_gemm(x, w)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(small_gemm.small_gemm(x, w), one)
+
+
+@needs_kernel
+def test_small_gemm_rejects_bad_input():
+    with pytest.raises(ValueError, match="do not multiply"):
+        small_gemm.small_gemm(torch.randn(4, 8), torch.randn(3, 9))
+    with pytest.raises(ValueError, match="weight must be float32"):
+        small_gemm.small_gemm(torch.randn(4, 8), torch.randn(3, 8, dtype=torch.float64))
+    x = torch.randn(8, 4).t()  # non-contiguous input is copied, not misread
+    w = torch.randn(3, 8)
+    torch.testing.assert_close(small_gemm.small_gemm(x, w), _reference(x, w, None), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_every_batch_size_matches_nn_linear(bias):
+@pytest.mark.parametrize("native_kernel", [True, False])
+def test_every_batch_size_matches_nn_linear(bias, native_kernel, monkeypatch):
+    if not native_kernel:
+        monkeypatch.setattr(linear, "NATIVE_ROWS", range(0))
+    elif not small_gemm.available():
+        pytest.skip("no C compiler with OpenMP here")
     torch.manual_seed(0)
     layer = Linear(96, 80, bias=bias)
-    for rows in (1, 2, SMALL_BATCH.start - 1, SMALL_BATCH.start, 33, SMALL_BATCH.stop - 1, SMALL_BATCH.stop, 200):
+    for rows in (1, 2, 3, NATIVE_ROWS.start, TRANSPOSED_ROWS.start - 1, TRANSPOSED_ROWS.start, 33,
+                 NATIVE_ROWS.stop - 1, NATIVE_ROWS.stop, 200):
         x = torch.randn(rows, 96)
         with torch.inference_mode():
             out = layer(x)
         assert out.shape == (rows, 80)
         torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-        assert torch.equal(out.view(rows, 8, 10).reshape(rows, 80), out)  # views work on the transposed result
+        assert torch.equal(out.view(rows, 8, 10).reshape(rows, 80), out)  # views work on any result layout
 
 
-def test_other_shapes_and_dtypes_take_nn_linear():
+@needs_kernel
+def test_decode_sized_batches_go_through_the_kernel():
+    torch.manual_seed(0)
+    layer = Linear(64, 48)
+    x = torch.randn(8, 64)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), small_gemm.small_gemm(x, layer.weight, layer.bias))
+
+
+def test_training_and_other_dtypes_take_nn_linear():
+    layer = Linear(16, 8)
+    out = layer(torch.randn(8, 16))  # grad enabled, weight requires grad: autograd's path
+    assert out.grad_fn is not None
     layer = Linear(16, 8).to(torch.bfloat16)
     x = torch.randn(32, 16, dtype=torch.bfloat16)
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
     x3 = torch.randn(2, 32, 16, dtype=torch.bfloat16)
     assert layer(x3).shape == (2, 32, 8)
+
+
+def test_a_kernel_that_cannot_be_built_leaves_torch_in_charge(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("SLOTSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING):
+        assert native.load.__wrapped__(small_gemm.SOURCE) is None
+    assert "unavailable, using torch's" in caplog.text
+    monkeypatch.setenv("SLOTSERVE_NATIVE_KERNELS", "0")
+    assert native.load.__wrapped__(small_gemm.SOURCE) is None
+
+
+@needs_kernel
+def test_the_build_lands_in_the_cache_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLOTSERVE_CACHE", str(tmp_path))
+    assert native.load.__wrapped__(small_gemm.SOURCE) is not None
+    built = list((tmp_path / "kernels").glob("*/small_gemm.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    assert native.load.__wrapped__(small_gemm.SOURCE) is not None
+    assert built[0].stat().st_mtime_ns == stamp

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from slotserve.layers.attention import Attention, AttentionMetadata, GatherWorkspace
+from slotserve.layers.attention import Attention, AttentionMetadata, GatherWorkspace, paged_decode_available
 
 
 def _time(attn: Attention, q, k, v, meta: AttentionMetadata, repeats: int) -> float:
@@ -55,6 +55,8 @@ def run_attention(args: argparse.Namespace) -> dict[str, Any]:
         "batched_gather_ms": _time(attn, q, k, v, meta(scattered, "batched"), args.repeats),
         "in_place_consecutive_ms": _time(attn, q, k, v, meta(consecutive, "batched"), args.repeats),
     }
+    if paged_decode_available(q.device, q.dtype):
+        timings["paged_kernel_ms"] = _time(attn, q, k, v, meta(scattered, "paged"), args.repeats)
     return {
         "bench": "attention",
         "num_seqs": n, "mean_context": round(sum(lengths) / n, 1), "block_size": bs,
@@ -62,4 +64,6 @@ def run_attention(args: argparse.Namespace) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         **{name: round(seconds * 1e3, 3) for name, seconds in timings.items()},
         "batched_speedup_vs_gather_per_seq": round(timings["gather_per_seq_ms"] / timings["batched_gather_ms"], 2),
+        "paged_speedup_vs_batched_gather": (round(timings["batched_gather_ms"] / timings["paged_kernel_ms"], 2)
+                                            if "paged_kernel_ms" in timings else None),
     }

@@ -8,7 +8,13 @@ import torch
 from torch import nn
 
 from slotserve.config import ModelConfig
-from slotserve.layers.attention import Attention, AttentionMetadata, GatherWorkspace, gather_max_tokens
+from slotserve.layers.attention import (
+    Attention,
+    AttentionMetadata,
+    GatherWorkspace,
+    gather_max_tokens,
+    paged_decode_available,
+)
 
 
 @dataclass
@@ -35,12 +41,15 @@ class ModelRunner:
     """Owns the model and its paged KV cache; stateless across steps beyond the cache contents."""
 
     def __init__(self, model: nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 decode_mode: str = "batched") -> None:
-        self.model, self.cfg, self.decode_mode = model, cfg, decode_mode
+                 decode_mode: str | None = None) -> None:
+        """decode_mode: how decode rows read the cache (layers/attention.py); None: "paged" where the CPU
+        kernel runs, else "batched"."""
+        self.model, self.cfg = model, cfg
         self.block_size, self.num_blocks = block_size, num_blocks
         self.workspace = GatherWorkspace()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.decode_mode = decode_mode or ("paged" if paged_decode_available(self.device, self.dtype) else "batched")
         self.gather_limit = gather_max_tokens(cfg.num_key_value_heads, cfg.head_dim, self.dtype)
         shape = (cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)

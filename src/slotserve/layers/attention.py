@@ -5,13 +5,15 @@ Every layer's cache is a pair of tensors [num_slots, kv_heads, head_dim] where a
 (`slot_mapping`) and which blocks hold each sequence's history (`block_tables`).
 
 How the history is read (`slotserve bench attention` measures the choices on this machine):
-- a sequence whose blocks are consecutive is one slice of the cache, read in place, no copy;
+- on the CPU in float32 (decode mode "paged", where the kernel builds), every decode row is read by our
+  own kernel (kernels/decode_attention.c) straight from its blocks: no copy, one call for all of them;
+- otherwise a sequence whose blocks are consecutive is one slice of the cache, read in place, no copy;
 - decode rows (one new token) of the other sequences, and those whose short context is cheaper to copy
   than to give a call of its own, are batched: one gather of all their contexts, padded, and one SDPA
   call for all of them, instead of a gather and a call per sequence;
 - prefill chunks attend one sequence at a time (their queries make the call worth its overhead).
-This backend is plain `torch` (SDPA), so it runs on CUDA too; a fused paged kernel would slot in
-behind the same `AttentionMetadata`.
+Apart from that kernel this backend is plain `torch` (SDPA), so it runs on CUDA too; a fused CUDA
+paged kernel would slot in behind the same `AttentionMetadata`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-DECODE_MODES = ("batched", "per_seq")
+from slotserve.kernels import decode_attention
+
+DECODE_MODES = ("paged", "batched", "per_seq")
 # Every sequence is attended with its keys padded (and masked) to a multiple of this. torch's CPU
 # attention kernel gives a query row the same bits for any key count from the next multiple of 16 on
 # (of 8 on AVX2; measured on torch 2.13), so a sequence's output is the same read in place, gathered,
@@ -59,6 +63,15 @@ class DecodeBatch:
 
 
 @dataclass
+class PagedDecodeBatch:
+    """Decode rows the native kernel reads from their blocks: row i attends to its first lens[i] slots."""
+
+    rows: torch.Tensor  # [B] int64 query rows in the flat batch
+    block_tables: torch.Tensor  # [B, width] int32, padded with block 0
+    lens: torch.Tensor  # [B] int32 keys per row (history + the new token)
+
+
+@dataclass
 class AttentionMetadata:
     """The layout of one step's flat batch: sequence i owns query rows query_start[i]:query_start[i+1]."""
 
@@ -66,8 +79,9 @@ class AttentionMetadata:
     seq_lens: list[int]  # tokens in context after this step (history + new), per sequence
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
     context: list[slice | torch.Tensor | None]  # per sequence its context's slots; None: in `decode`
-    decode: DecodeBatch | None = None
+    decode: DecodeBatch | PagedDecodeBatch | None = None
     workspace: GatherWorkspace | None = None
+    block_size: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -89,22 +103,24 @@ class AttentionMetadata:
             query_start.append(query_start[-1] + n)
         context: list[slice | torch.Tensor | None] = []
         batched: list[int] = []
+        paged = decode_mode == "paged"
         several_decodes = decode_mode == "batched" and query_lens.count(1) > 1
         for i, (table, length) in enumerate(zip(block_tables, seq_lens, strict=True)):
             start = _consecutive_start(table, length, block_size)
             # With company, a decode row whose context is cheap to copy joins the batched gather even when
             # it could be read in place: one SDPA call per sequence costs more than the copy.
-            join_batch = several_decodes and query_lens[i] == 1 and length <= gather_limit
+            join_batch = paged or (several_decodes and query_lens[i] == 1 and length <= gather_limit)
             if start is not None and not join_batch:
                 context.append(slice(start, start + padded_len(length)))
-            elif decode_mode == "batched" and query_lens[i] == 1:
+            elif decode_mode != "per_seq" and query_lens[i] == 1:
                 context.append(None)
                 batched.append(i)
             else:
                 context.append(_slots(table, block_size, padded_len(length), device))
-        decode = _decode_batch([query_start[i] for i in batched], [block_tables[i] for i in batched],
-                               [seq_lens[i] for i in batched], block_size, device) if batched else None
-        return cls(query_start, list(seq_lens), slot_mapping, context, decode, workspace or GatherWorkspace())
+        batch = ([query_start[i] for i in batched], [block_tables[i] for i in batched], [seq_lens[i] for i in batched])
+        decode = None if not batched else (_paged_batch if paged else _decode_batch)(*batch, block_size, device)
+        return cls(query_start, list(seq_lens), slot_mapping, context, decode, workspace or GatherWorkspace(),
+                   block_size)
 
 
 def gather_max_tokens(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -146,6 +162,19 @@ def _decode_batch(rows: list[int], tables: list[list[int]], lengths: list[int], 
     return DecodeBatch(torch.tensor(rows, device=device), slots, mask)
 
 
+def _paged_batch(rows: list[int], tables: list[list[int]], lengths: list[int], block_size: int,
+                 device: torch.device) -> PagedDecodeBatch:
+    width = max(-(-n // block_size) for n in lengths)
+    padded = [table[:width] + [0] * (width - len(table[:width])) for table in tables]
+    return PagedDecodeBatch(torch.tensor(rows, device=device), torch.tensor(padded, dtype=torch.int32, device=device),
+                            torch.tensor(lengths, dtype=torch.int32, device=device))
+
+
+def paged_decode_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decode mode "paged" runs here: a CPU float32 cache and a built kernel."""
+    return device.type == "cpu" and dtype == torch.float32 and decode_attention.available()
+
+
 class Attention(nn.Module):
     """Writes the step's K/V into the cache, then attends each sequence's queries to its context."""
 
@@ -160,14 +189,18 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         self.k_cache.index_copy_(0, meta.slot_mapping, k)
         self.v_cache.index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for i, slots in enumerate(meta.context):
             if slots is None:
                 continue
             start, end = meta.query_start[i], meta.query_start[i + 1]
             keys, values = self._read(slots, meta.workspace)
             out[start:end] = self._attend(q[start:end], keys, values, meta.seq_lens[i])
-        if meta.decode is not None:
+        if isinstance(meta.decode, PagedDecodeBatch):
+            decode = meta.decode
+            decode_attention.decode_attention(q.contiguous(), out, decode.rows, self.k_cache, self.v_cache,
+                                              decode.block_tables, decode.lens, meta.block_size, self.scale)
+        elif meta.decode is not None:
             out[meta.decode.rows] = self._attend_decode(q, meta.decode, meta.workspace)
         return out
 

@@ -1,0 +1,154 @@
+/* Decode attention straight from the paged KV cache: one new query token per sequence, float32.
+
+   torch's path copies every sequence's keys and values out of their blocks into one padded batch and
+   then runs SDPA over it, whose kernel handles a one-row query per (sequence, head) poorly. Here each
+   (sequence, kv head) pair is one task that walks the sequence's block table and reads the cache in
+   place: the scores of the kv head's whole query group (GQA) against each key, a softmax, then the
+   weighted sum of the values. Keys are visited in position order whatever blocks hold them, and each
+   task depends only on its own sequence, so a row's result is bitwise the same alone or batched, with
+   its blocks consecutive or scattered.
+
+   Layouts: q and out [tokens][heads][head_dim]; caches [slots][kv_heads][head_dim] with slot =
+   block * block_size + offset; block_tables [seqs][table_width] (int32); lens [seqs] (int32, keys to
+   attend, the new token's included); rows [seqs] (int64, the sequence's query row in q and out). */
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+
+typedef float vf __attribute__((vector_size(VW * sizeof(float))));
+typedef int vi __attribute__((vector_size(VW * sizeof(int))));
+
+static inline vf load(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+static inline vf splat(float s) { return (vf){0} + s; }
+
+typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
+
+/* The sum of a vector's lanes, folded in halves (a fixed order, so the same bits every time). */
+static inline float hsum(vf v) {
+#if VW == 16
+    const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    const v8 a = v;
+#endif
+    const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* exp(x) for x <= 0 (scores less their maximum), to ~1 ulp: 2^n * e^r with |r| <= ln2/2 and a degree-6
+   polynomial for e^r (Cephes' coefficients); below -87 it returns ~1e-38 rather than 0. */
+static inline vf vexp(vf x) {
+    const vi low = x < splat(-87.0f); /* all ones where true */
+    x = (vf)(((vi)x & ~low) | ((vi)splat(-87.0f) & low));
+    const vf magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    vf t = x * splat(1.44269504088896341f) + magic;
+    const vf n = t - magic;
+    vf r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+    vf p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * r * r + r + splat(1.0f);
+    const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    return p * (vf)bits;
+}
+
+static float dot(const float *a, const float *b, long n) {
+    vf acc = {0};
+    long d = 0;
+    for (; d + VW <= n; d += VW) acc += load(a + d) * load(b + d);
+    float s = hsum(acc);
+    for (; d < n; d++) s += a[d] * b[d];
+    return s;
+}
+
+/* out += p * v over n floats */
+static void axpy(float *out, float p, const float *v, long n) {
+    long d = 0;
+    for (; d + VW <= n; d += VW) store(out + d, load(out + d) + splat(p) * load(v + d));
+    for (; d < n; d++) out[d] += p * v[d];
+}
+
+static inline long slot_of(const int *table, long pos, long block_size) {
+    return (long)table[pos / block_size] * block_size + pos % block_size;
+}
+
+/* One (sequence, kv head) task: the kv head's `group` query heads over the sequence's `len` keys.
+   scores: scratch of group * padded floats (padded: len rounded up to the vector width). */
+static void attend(const float *q, float *out, const float *k_cache, const float *v_cache, const int *table,
+                   long len, long padded, long group, long kv_heads, long head_dim, long block_size,
+                   float scale, float *scores) {
+    const long stride = kv_heads * head_dim;
+    for (long pos = 0; pos < len; pos++) {
+        const float *key = k_cache + slot_of(table, pos, block_size) * stride;
+        for (long g = 0; g < group; g++) scores[g * padded + pos] = dot(q + g * head_dim, key, head_dim) * scale;
+    }
+    for (long g = 0; g < group; g++) {
+        float *s = scores + g * padded;
+        float max = -INFINITY;
+        for (long pos = 0; pos < len; pos++) max = s[pos] > max ? s[pos] : max;
+        for (long pos = len; pos < padded; pos++) s[pos] = -INFINITY; /* exp: ~1e-38, nothing beside 1 */
+        vf total = {0};
+        for (long pos = 0; pos < padded; pos += VW) {
+            const vf e = vexp(load(s + pos) - splat(max));
+            store(s + pos, e);
+            total += e;
+        }
+        const float inv = 1.0f / hsum(total);
+        for (long pos = 0; pos < padded; pos++) s[pos] *= inv;
+    }
+    memset(out, 0, (size_t)(group * head_dim) * sizeof(float));
+    for (long pos = 0; pos < len; pos++) {
+        const float *value = v_cache + slot_of(table, pos, block_size) * stride;
+        for (long g = 0; g < group; g++) axpy(out + g * head_dim, scores[g * padded + pos], value, head_dim);
+    }
+}
+
+/* Returns 0, or -1 when scratch memory could not be allocated. */
+int slotserve_decode_attention(const float *q, float *out, const long *rows, const float *k_cache,
+                               const float *v_cache, const int *block_tables, long table_width, const int *lens,
+                               long seqs, long heads, long kv_heads, long head_dim, long block_size, float scale,
+                               int threads) {
+    const long group = heads / kv_heads;
+    long max_len = 0;
+    for (long b = 0; b < seqs; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
+    const long padded = (max_len + VW - 1) / VW * VW;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *scores = malloc((size_t)(group * padded) * sizeof(float));
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (long task = 0; task < seqs * kv_heads; task++) {
+            if (!scores) continue;
+            const long b = task / kv_heads, h = task % kv_heads;
+            const long len = lens[b];
+            const long row = rows[b] * heads * head_dim + h * group * head_dim;
+            attend(q + row, out + row, k_cache + h * head_dim, v_cache + h * head_dim,
+                   block_tables + b * table_width, len, (len + VW - 1) / VW * VW, group, kv_heads, head_dim,
+                   block_size, scale, scores);
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}

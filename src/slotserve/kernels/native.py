@@ -1,0 +1,95 @@
+"""C kernels shipped as source: compiled once per machine with the system C compiler, loaded with ctypes.
+
+No build step at install time and no torch headers: a kernel is one plain C file, built on first use
+with `-march=native` into `$SLOTSERVE_CACHE/kernels/<hash>/` (the hash covers the source, the flags, the
+compiler and the CPU, so a shared home directory never hands one machine another's build) and loaded
+from there afterwards. OpenMP regions in a kernel run on the OpenMP runtime torch has already loaded
+(`libgomp.so.1` is matched by its soname), so a kernel and torch's own ops share one set of threads.
+
+Where no compiler or OpenMP is at hand (or `SLOTSERVE_NATIVE_KERNELS=0`), `load` answers None and the
+caller keeps its torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+from slotserve.model_store import cache_dir
+
+log = logging.getLogger(__name__)
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
+
+
+class KernelUnavailableError(RuntimeError):
+    """A native kernel was called where it could not be built; check its `available()` first."""
+
+
+def enabled() -> bool:
+    return os.environ.get("SLOTSERVE_NATIVE_KERNELS", "1") != "0"
+
+
+def _compiler() -> str:
+    return os.environ.get("CC", "cc")
+
+
+def _cpu_identity() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def _build(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    cmd = [_compiler(), *FLAGS, "-o", str(tmp), str(source)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if result.returncode != 0:
+        raise OSError(f"{' '.join(cmd)} failed: {result.stderr.strip()[-2000:]}")
+    os.replace(tmp, target)  # atomic: a concurrent process sees the old state or the whole library
+
+
+@functools.cache
+def load(source: Path) -> ctypes.CDLL | None:
+    """The compiled library for `source` (built on first use), or None where it cannot be built here."""
+    if not enabled():
+        return None
+    try:
+        version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=30).stdout
+        key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, version, _cpu_identity()]).encode())
+        target = cache_dir() / "kernels" / key.hexdigest()[:16] / f"{source.stem}.so"
+        if not target.exists():
+            log.info("compiling %s for this machine", source.name)
+            _build(source, target)
+        return ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("native kernel %s unavailable, using torch's: %s", source.name, e)
+        return None
+
+
+@functools.cache
+def function(source: Path, name: str, argtypes: tuple[type, ...]) -> ctypes._CFuncPtr | None:
+    """`name` from `source`'s library, typed (returning a C int), or None where it cannot be built."""
+    lib = load(source)
+    if lib is None:
+        return None
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = list(argtypes), ctypes.c_int
+    return fn
+
+
+def require(fn: ctypes._CFuncPtr | None, source: Path) -> ctypes._CFuncPtr:
+    if fn is None:
+        raise KernelUnavailableError(f"{source.name} is not built on this machine (no C compiler with OpenMP,"
+                                     " or SLOTSERVE_NATIVE_KERNELS=0)")
+    return fn
