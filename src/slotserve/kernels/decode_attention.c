@@ -16,39 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
-#define VW 16
-#else
-#define VW 8
-#endif
-
-typedef float vf __attribute__((vector_size(VW * sizeof(float))));
-typedef int vi __attribute__((vector_size(VW * sizeof(int))));
-
-static inline vf load(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
-
-static inline vf splat(float s) { return (vf){0} + s; }
-
-typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
-typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
-
-/* The sum of a vector's lanes, folded in halves (a fixed order, so the same bits every time). */
-static inline float hsum(vf v) {
-#if VW == 16
-    const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-    const v8 a = v;
-#endif
-    const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
+#include "vector.h"
 
 /* exp(x) for x <= 0 (scores less their maximum), to ~1 ulp: 2^n * e^r with |r| <= ln2/2 and a degree-6
    polynomial for e^r (Cephes' coefficients); below -87 it returns ~1e-38 rather than 0. */
@@ -90,6 +58,13 @@ static inline long slot_of(const int *table, long pos, long block_size) {
     return (long)table[pos / block_size] * block_size + pos % block_size;
 }
 
+/* Asks for a row of the cache ahead of its use: the rows of a sequence lie in blocks all over the cache,
+   and without this each key and value waits on memory (measured: 2x slower in a decode step). */
+#define AHEAD 8
+static inline void prefetch_row(const float *row, long floats) {
+    for (long f = 0; f < floats; f += 64 / sizeof(float)) __builtin_prefetch(row + f, 0, 3);
+}
+
 /* One (sequence, kv head) task: the kv head's `group` query heads over the sequence's `len` keys.
    scores: scratch of group * padded floats (padded: len rounded up to the vector width). */
 static void attend(const float *q, float *out, const float *k_cache, const float *v_cache, const int *table,
@@ -97,6 +72,7 @@ static void attend(const float *q, float *out, const float *k_cache, const float
                    float scale, float *scores) {
     const long stride = kv_heads * head_dim;
     for (long pos = 0; pos < len; pos++) {
+        if (pos + AHEAD < len) prefetch_row(k_cache + slot_of(table, pos + AHEAD, block_size) * stride, head_dim);
         const float *key = k_cache + slot_of(table, pos, block_size) * stride;
         for (long g = 0; g < group; g++) scores[g * padded + pos] = dot(q + g * head_dim, key, head_dim) * scale;
     }
@@ -116,6 +92,7 @@ static void attend(const float *q, float *out, const float *k_cache, const float
     }
     memset(out, 0, (size_t)(group * head_dim) * sizeof(float));
     for (long pos = 0; pos < len; pos++) {
+        if (pos + AHEAD < len) prefetch_row(v_cache + slot_of(table, pos + AHEAD, block_size) * stride, head_dim);
         const float *value = v_cache + slot_of(table, pos, block_size) * stride;
         for (long g = 0; g < group; g++) axpy(out + g * head_dim, scores[g * padded + pos], value, head_dim);
     }

@@ -1,7 +1,7 @@
 """C kernels shipped as source: compiled once per machine with the system C compiler, loaded with ctypes.
 
-No build step at install time and no torch headers: a kernel is one plain C file, built on first use
-with `-march=native` into `$SLOTSERVE_CACHE/kernels/<hash>/` (the hash covers the source, the flags, the
+No build step at install time and no torch headers: a kernel is one plain C file (plus the shared
+vector.h), built on first use with `-march=native` into `$SLOTSERVE_CACHE/kernels/<hash>/` (the hash covers the source, the flags, the
 compiler and the CPU, so a shared home directory never hands one machine another's build) and loaded
 from there afterwards. OpenMP regions in a kernel run on the OpenMP runtime torch has already loaded
 (`libgomp.so.1` is matched by its soname), so a kernel and torch's own ops share one set of threads.
@@ -66,7 +66,8 @@ def load(source: Path) -> ctypes.CDLL | None:
         return None
     try:
         version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, version, _cpu_identity()]).encode())
+        headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the source may include
+        key = hashlib.sha256("\0".join([source.read_text(), *headers, *FLAGS, version, _cpu_identity()]).encode())
         target = cache_dir() / "kernels" / key.hexdigest()[:16] / f"{source.stem}.so"
         if not target.exists():
             log.info("compiling %s for this machine", source.name)

@@ -1,0 +1,56 @@
+/* What the C kernels share: one vector type as wide as the instruction set the file is compiled for
+   (-march=native: 16 floats with AVX-512, else 8, which GCC's generic vectors also map onto other
+   machines), and the few operations on it that need care. */
+
+#ifndef SLOTSERVE_VECTOR_H
+#define SLOTSERVE_VECTOR_H
+
+#include <string.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+
+typedef float vf __attribute__((vector_size(VW * sizeof(float))));
+typedef int vi __attribute__((vector_size(VW * sizeof(int))));
+typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
+
+static inline vf load(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* A vector of copies of s, as one broadcast (from memory where s comes from there): GCC's generic form
+   `(vf){0} + s` compiles to an add and a shuffle, which share a port with the multiply-adds. */
+static inline __attribute__((always_inline)) vf splat(float s) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_set1_ps(s);
+#elif defined(__AVX__)
+    return (vf)_mm256_set1_ps(s);
+#else
+    return (vf){0} + s;
+#endif
+}
+
+/* The sum of a vector's lanes, folded in halves (a fixed order, so the same bits every time). */
+static inline float hsum(vf v) {
+#if VW == 16
+    const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    const v8 a = v;
+#endif
+    const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+#endif
