@@ -19,7 +19,7 @@
 #include "vector.h"
 
 /* exp(x) for x <= 0 (scores less their maximum), to ~1 ulp: 2^n * e^r with |r| <= ln2/2 and a degree-6
-   polynomial for e^r (Cephes' coefficients); below -87 it returns ~1e-38 rather than 0. */
+   polynomial for e^r (Cephes' coefficients); 0 below -87, where e^x is under float's smallest normal. */
 static inline vf vexp(vf x) {
     const vi low = x < splat(-87.0f); /* all ones where true */
     x = (vf)(((vi)x & ~low) | ((vi)splat(-87.0f) & low));
@@ -35,7 +35,7 @@ static inline vf vexp(vf x) {
     p = p * r + splat(5.0000001201e-1f);
     p = p * r * r + r + splat(1.0f);
     const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-    return p * (vf)bits;
+    return (vf)((vi)(p * (vf)bits) & ~low);
 }
 
 static float dot(const float *a, const float *b, long n) {
@@ -47,15 +47,22 @@ static float dot(const float *a, const float *b, long n) {
     return s;
 }
 
-/* out += p * v over n floats */
-static void axpy(float *out, float p, const float *v, long n) {
+/* out += sum of p[j] * v[j] over n floats, for KEYS rows v[j]: one load and store of out per KEYS keys */
+#define KEYS 4
+static inline void axpy(float *out, const float *p, const float *const *v, long n) {
     long d = 0;
-    for (; d + VW <= n; d += VW) store(out + d, load(out + d) + splat(p) * load(v + d));
-    for (; d < n; d++) out[d] += p * v[d];
+    for (; d + VW <= n; d += VW) {
+        vf acc = load(out + d);
+        for (int j = 0; j < KEYS; j++) acc += splat(p[j]) * load(v[j] + d);
+        store(out + d, acc);
+    }
+    for (; d < n; d++)
+        for (int j = 0; j < KEYS; j++) out[d] += p[j] * v[j][d];
 }
 
-static inline long slot_of(const int *table, long pos, long block_size) {
-    return (long)table[pos / block_size] * block_size + pos % block_size;
+static inline vf vmax(vf a, vf b) {
+    const vi gt = b > a;
+    return (vf)(((vi)a & ~gt) | ((vi)b & gt));
 }
 
 /* Asks for a row of the cache ahead of its use: the rows of a sequence lie in blocks all over the cache,
@@ -65,22 +72,34 @@ static inline void prefetch_row(const float *row, long floats) {
     for (long f = 0; f < floats; f += 64 / sizeof(float)) __builtin_prefetch(row + f, 0, 3);
 }
 
+/* The cache offset (in floats) of each of a sequence's first len positions, computed once per task
+   rather than with a division per key and pass. */
+static void offsets_of(long *offsets, const int *table, long len, long block_size, long stride) {
+    for (long pos = 0, block = 0; pos < len; block++)
+        for (long i = 0; i < block_size && pos < len; i++, pos++)
+            offsets[pos] = ((long)table[block] * block_size + i) * stride;
+}
+
 /* One (sequence, kv head) task: the kv head's `group` query heads over the sequence's `len` keys.
-   scores: scratch of group * padded floats (padded: len rounded up to the vector width). */
-static void attend(const float *q, float *out, const float *k_cache, const float *v_cache, const int *table,
-                   long len, long padded, long group, long kv_heads, long head_dim, long block_size,
-                   float scale, float *scores) {
-    const long stride = kv_heads * head_dim;
+   scores: scratch of group * padded floats (padded: len rounded up to the vector width); offsets:
+   each key's place in the cache. */
+static void attend(const float *q, float *out, const float *k_cache, const float *v_cache, const long *offsets,
+                   long len, long padded, long group, long head_dim, float scale, float *scores) {
     for (long pos = 0; pos < len; pos++) {
-        if (pos + AHEAD < len) prefetch_row(k_cache + slot_of(table, pos + AHEAD, block_size) * stride, head_dim);
-        const float *key = k_cache + slot_of(table, pos, block_size) * stride;
+        if (pos + AHEAD < len) {
+            prefetch_row(k_cache + offsets[pos + AHEAD], head_dim);
+            prefetch_row(v_cache + offsets[pos + AHEAD], head_dim); /* for the weighted sum, a pass later */
+        }
+        const float *key = k_cache + offsets[pos];
         for (long g = 0; g < group; g++) scores[g * padded + pos] = dot(q + g * head_dim, key, head_dim) * scale;
     }
     for (long g = 0; g < group; g++) {
         float *s = scores + g * padded;
+        for (long pos = len; pos < padded; pos++) s[pos] = -INFINITY; /* exp: 0 */
+        vf lanes = splat(-INFINITY);
+        for (long pos = 0; pos < padded; pos += VW) lanes = vmax(lanes, load(s + pos));
         float max = -INFINITY;
-        for (long pos = 0; pos < len; pos++) max = s[pos] > max ? s[pos] : max;
-        for (long pos = len; pos < padded; pos++) s[pos] = -INFINITY; /* exp: ~1e-38, nothing beside 1 */
+        for (int l = 0; l < VW; l++) max = lanes[l] > max ? lanes[l] : max;
         vf total = {0};
         for (long pos = 0; pos < padded; pos += VW) {
             const vf e = vexp(load(s + pos) - splat(max));
@@ -91,10 +110,11 @@ static void attend(const float *q, float *out, const float *k_cache, const float
         for (long pos = 0; pos < padded; pos++) s[pos] *= inv;
     }
     memset(out, 0, (size_t)(group * head_dim) * sizeof(float));
-    for (long pos = 0; pos < len; pos++) {
-        if (pos + AHEAD < len) prefetch_row(v_cache + slot_of(table, pos + AHEAD, block_size) * stride, head_dim);
-        const float *value = v_cache + slot_of(table, pos, block_size) * stride;
-        for (long g = 0; g < group; g++) axpy(out + g * head_dim, scores[g * padded + pos], value, head_dim);
+    for (long pos = 0; pos < padded; pos += KEYS) {
+        /* past len: weight 0 (the padding's exp) on a real row, which leaves the sum as it is */
+        const float *values[KEYS];
+        for (int j = 0; j < KEYS; j++) values[j] = v_cache + offsets[pos + j < len ? pos + j : 0];
+        for (long g = 0; g < group; g++) axpy(out + g * head_dim, scores + g * padded + pos, values, head_dim);
     }
 }
 
@@ -111,21 +131,27 @@ int slotserve_decode_attention(const float *q, float *out, const long *rows, con
 #pragma omp parallel num_threads(threads)
     {
         float *scores = malloc((size_t)(group * padded) * sizeof(float));
-        if (!scores) {
+        long *offsets = malloc((size_t)padded * sizeof(long));
+        if (!scores || !offsets) {
 #pragma omp atomic write
             failed = 1;
         }
+        long offsets_of_seq = -1; /* whose offsets are in `offsets`: a sequence's kv heads come in turn */
 #pragma omp for schedule(dynamic, 1)
         for (long task = 0; task < seqs * kv_heads; task++) {
-            if (!scores) continue;
+            if (!scores || !offsets) continue;
             const long b = task / kv_heads, h = task % kv_heads;
             const long len = lens[b];
+            if (offsets_of_seq != b) {
+                offsets_of(offsets, block_tables + b * table_width, len, block_size, kv_heads * head_dim);
+                offsets_of_seq = b;
+            }
             const long row = rows[b] * heads * head_dim + h * group * head_dim;
-            attend(q + row, out + row, k_cache + h * head_dim, v_cache + h * head_dim,
-                   block_tables + b * table_width, len, (len + VW - 1) / VW * VW, group, kv_heads, head_dim,
-                   block_size, scale, scores);
+            attend(q + row, out + row, k_cache + h * head_dim, v_cache + h * head_dim, offsets, len,
+                   (len + VW - 1) / VW * VW, group, head_dim, scale, scores);
         }
         free(scores);
+        free(offsets);
     }
     return failed ? -1 : 0;
 }
