@@ -8,6 +8,7 @@ import torch
 
 from slotserve import LLM, SamplingParams
 from slotserve.config import EngineConfig
+from slotserve.kernels import decode_attention, small_gemm
 from tests.conftest import build_tiny_model
 
 PROMPTS = ["Hello there", "def fibonacci(n):", "The capital of France is", "1, 2, 3, 4,", "你好，世界"]
@@ -39,6 +40,13 @@ def test_greedy_matches_transformers_generate(tiny, llm):
                           attention_mask=torch.ones(1, len(ids), dtype=torch.long))
         ours = llm.generate(prompt, GREEDY)[0].outputs[0]
         assert ours.token_ids == ref[0, len(ids):].tolist(), prompt
+
+
+def test_cpu_float32_decodes_through_the_native_kernels(llm):
+    """The parity test above then covers them end to end: where they build, they are the default."""
+    if not (small_gemm.available() and decode_attention.available()):
+        pytest.skip("no C compiler with OpenMP here")
+    assert llm.engine.runner.decode_mode == "paged" and llm.engine.runner.native_gemm
 
 
 def test_batch_equals_one_at_a_time(llm):
