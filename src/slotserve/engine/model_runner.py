@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from slotserve.config import ModelConfig
-from slotserve.kernels import small_gemm
+from slotserve.kernels import rows, small_gemm
 from slotserve.layers.attention import (
     Attention,
     AttentionMetadata,
@@ -51,8 +51,10 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.decode_mode = decode_mode or ("paged" if paged_decode_available(self.device, self.dtype) else "batched")
-        # Build the small-GEMM kernel (layers/linear.py) now rather than in the middle of a decode step.
-        self.native_gemm = self.device.type == "cpu" and self.dtype == torch.float32 and small_gemm.available()
+        # Build the native kernels (layers/linear.py, norm.py, rotary.py) now, not in the middle of a step.
+        cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
+        self.native_gemm = cpu_fp32 and small_gemm.available()
+        self.native_rows = cpu_fp32 and rows.available()
         self.gather_limit = gather_max_tokens(cfg.num_key_value_heads, cfg.head_dim, self.dtype)
         shape = (cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)

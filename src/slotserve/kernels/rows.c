@@ -1,0 +1,59 @@
+/* The per-row operations of a decoder layer, one call each where torch takes six to nine small ops:
+   RMSNorm and rotary embedding. At batch 1 and in decode steps these tensors are a few KB, and the
+   cost of each torch op is its dispatch; a prefill's rows are split over the threads.
+
+   Row by row, so a row's result does not depend on the others in the batch. */
+
+#include <math.h>
+
+#include "vector.h"
+
+#define PARALLEL_ROWS 64 /* fewer rows than this run on the calling thread: a thread hand-off costs more */
+
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, over rows of dim floats. */
+int slotserve_rms_norm(const float *x, const float *weight, float *out, long rows, long dim, float eps,
+                       int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= PARALLEL_ROWS)
+    for (long r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float *o = out + r * dim;
+        vf acc = {0};
+        long d = 0;
+        for (; d + VW <= dim; d += VW) {
+            const vf v = load(xr + d);
+            acc += v * v;
+        }
+        float sum = hsum(acc);
+        for (; d < dim; d++) sum += xr[d] * xr[d];
+        const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+        for (d = 0; d + VW <= dim; d += VW) store(o + d, load(xr + d) * splat(inv) * load(weight + d));
+        for (; d < dim; d++) o[d] = xr[d] * inv * weight[d];
+    }
+    return 0;
+}
+
+/* Rotates each head of x [tokens][heads][head_dim] into out, pairing element j with j + head_dim / 2,
+   by the token's cos and sin [tokens][head_dim / 2]. */
+int slotserve_rotary(const float *x, const float *cos, const float *sin, float *out, long tokens, long heads,
+                     long head_dim, int threads) {
+    const long half = head_dim / 2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (tokens >= PARALLEL_ROWS)
+    for (long t = 0; t < tokens; t++) {
+        const float *c = cos + t * half, *s = sin + t * half;
+        for (long h = 0; h < heads; h++) {
+            const float *x1 = x + (t * heads + h) * head_dim, *x2 = x1 + half;
+            float *o1 = out + (t * heads + h) * head_dim, *o2 = o1 + half;
+            long j = 0;
+            for (; j + VW <= half; j += VW) {
+                const vf a = load(x1 + j), b = load(x2 + j), cv = load(c + j), sv = load(s + j);
+                store(o1 + j, a * cv - b * sv);
+                store(o2 + j, b * cv + a * sv);
+            }
+            for (; j < half; j++) {
+                o1[j] = x1[j] * c[j] - x2[j] * s[j];
+                o2[j] = x2[j] * c[j] + x1[j] * s[j];
+            }
+        }
+    }
+    return 0;
+}

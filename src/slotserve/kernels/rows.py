@@ -1,0 +1,47 @@
+"""RMSNorm and rotary embedding in one native call each (rows.c), for CPU float32 tensors."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from slotserve.kernels import native
+
+SOURCE = Path(__file__).with_name("rows.c")
+_NORM_ARGS = (ctypes.c_void_p,) * 3 + (ctypes.c_long,) * 2 + (ctypes.c_float, ctypes.c_int)
+_ROTARY_ARGS = (ctypes.c_void_p,) * 4 + (ctypes.c_long,) * 3 + (ctypes.c_int,)
+
+
+def available() -> bool:
+    return native.function(SOURCE, "slotserve_rms_norm", _NORM_ARGS) is not None
+
+
+def applies(*tensors: torch.Tensor) -> bool:
+    """Whether these tensors can take the native path: contiguous float32 on the CPU, no autograd."""
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) and available())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2, last dim) + eps) * weight, for x [..., dim]."""
+    norm = native.require(native.function(SOURCE, "slotserve_rms_norm", _NORM_ARGS), SOURCE)
+    dim = x.shape[-1]
+    if weight.shape != (dim,):
+        raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not match the last dim of x {tuple(x.shape)}")
+    out = torch.empty_like(x)
+    norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps, torch.get_num_threads())
+    return out
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, head_dim] rotated by cos, sin [tokens, head_dim / 2], pairing j with j + head_dim / 2."""
+    rotate = native.require(native.function(SOURCE, "slotserve_rotary", _ROTARY_ARGS), SOURCE)
+    tokens, heads, head_dim = x.shape
+    if head_dim % 2 or cos.shape != (tokens, head_dim // 2) or sin.shape != cos.shape:
+        raise ValueError(f"rotary: x {tuple(x.shape)} and cos/sin {tuple(cos.shape)} do not fit together")
+    out = torch.empty_like(x)
+    rotate(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), tokens, heads, head_dim,
+           torch.get_num_threads())
+    return out

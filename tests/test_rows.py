@@ -1,0 +1,75 @@
+"""RMSNorm and rotary embedding: the native row kernels against the torch formulas they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slotserve.kernels import rows
+from slotserve.layers.norm import RMSNorm
+from slotserve.layers.rotary import apply_rotary
+
+needs_kernel = pytest.mark.skipif(not rows.available(), reason="no C compiler with OpenMP here")
+
+
+def _norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.double()
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()).float()
+
+
+def _rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.double().chunk(2, dim=-1)
+    cos, sin = cos.double(), sin.double()
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).float()
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 896), (32, 896), (100, 13), (5, 14, 64), (1, 1)])
+def test_rms_norm_matches_reference(shape):
+    torch.manual_seed(0)
+    norm = RMSNorm(shape[-1], 1e-6)
+    norm.weight.data = torch.randn(shape[-1])
+    x = torch.randn(*shape)
+    with torch.inference_mode():
+        out = norm(x)
+    torch.testing.assert_close(out, _norm_reference(x, norm.weight, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("tokens", "heads", "dim"), [(1, 14, 64), (33, 2, 64), (100, 3, 10), (70, 8, 128)])
+def test_rotary_matches_reference(tokens, heads, dim):
+    torch.manual_seed(0)
+    x = torch.randn(tokens, heads, dim)
+    cos, sin = torch.randn(tokens, 1, dim // 2), torch.randn(tokens, 1, dim // 2)
+    with torch.inference_mode():
+        out = apply_rotary(x, cos, sin)
+    torch.testing.assert_close(out, _rotary_reference(x, cos, sin), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_a_row_gets_the_same_bits_in_any_batch():
+    torch.manual_seed(0)
+    norm = RMSNorm(896, 1e-6)
+    x = torch.randn(100, 896)  # 100 rows: the kernel splits them over the threads
+    cos, sin = torch.randn(100, 1, 32), torch.randn(100, 1, 32)
+    q = torch.randn(100, 14, 64)
+    with torch.inference_mode():
+        assert torch.equal(norm(x)[7], norm(x[7:8])[0])
+        assert torch.equal(apply_rotary(q, cos, sin)[7], apply_rotary(q[7:8], cos[7:8], sin[7:8])[0])
+
+
+def test_autograd_and_other_dtypes_keep_the_torch_path():
+    norm = RMSNorm(16, 1e-6)
+    out = norm(torch.randn(4, 16))  # grad enabled, weight requires grad
+    assert out.grad_fn is not None
+    x = torch.randn(4, 2, 16, dtype=torch.bfloat16)
+    cos, sin = torch.randn(4, 1, 8), torch.randn(4, 1, 8)
+    assert apply_rotary(x, cos, sin).dtype == torch.bfloat16
+
+
+@needs_kernel
+def test_row_kernels_reject_shapes_that_do_not_fit():
+    with pytest.raises(ValueError, match="weight"):
+        rows.rms_norm(torch.randn(4, 16), torch.randn(15), 1e-6)
+    with pytest.raises(ValueError, match="do not fit"):
+        rows.rotary(torch.randn(4, 2, 16), torch.randn(4, 7), torch.randn(4, 7))
