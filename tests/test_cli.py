@@ -72,6 +72,7 @@ def test_bench_throughput_and_attention_print_json(tiny_qwen3):
     assert result.returncode == 0, result.stderr
     kernels = json.loads(result.stdout.strip().splitlines()[-1])
     assert kernels["memory_read_GBps"] > 0 and kernels["decode_batch1"]["fraction_of_bound"] > 0
+    assert kernels["decode_attention"] in ("paged", "batched") and isinstance(kernels["native_small_gemm"], bool)
     result = run("bench", "kernels", "-m", str(tiny_qwen3), "--kv-cache-memory", "8M", "--prefill-len", "32",
                  "--batch", "4", "--context-len", "16", "--decode-steps", "2", "--repeats", "1",
                  "--quantization", "int8")

@@ -115,6 +115,9 @@ def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
         "bench": "kernels", "model": engine.config.model, "device": str(core.device),
         "dtype": str(core.dtype).removeprefix("torch."), "quantization": engine.config.quantization,
         "threads": torch.get_num_threads(),
+        # Which code ran: the native kernels (kernels/) or torch's operators in their place.
+        "decode_attention": runner.decode_mode, "native_small_gemm": runner.native_gemm,
+        "native_row_ops": runner.native_rows,
         "memory_read_GBps": round(bandwidth / 1e9, 1),
         "gemm_fp32_GFLOPs": round(gemm / 1e9, 1),
         "decode_batch1": {
