@@ -22,6 +22,8 @@ import platform
 import subprocess
 from pathlib import Path
 
+import torch
+
 from slotserve.model_store import cache_dir
 
 log = logging.getLogger(__name__)
@@ -37,17 +39,26 @@ def enabled() -> bool:
     return os.environ.get("SLOTSERVE_NATIVE_KERNELS", "1") != "0"
 
 
+def takes(*tensors: torch.Tensor) -> bool:
+    """Whether these tensors are what the kernels compute on: float32 on the CPU, outside autograd."""
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+
+
 def _compiler() -> str:
     return os.environ.get("CC", "cc")
 
 
-def _cpu_identity() -> str:
+@functools.cache
+def _machine() -> str:
+    """The compiler's version and the CPU's model and flags: what a build depends on beyond its sources."""
+    version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=30).stdout
     try:
         with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags"))]
-        return "".join(sorted(set(lines)))
+            cpu = "".join(sorted({line for line in f if line.startswith(("model name", "flags"))}))
     except OSError:
-        return platform.processor() + platform.machine()
+        cpu = platform.processor() + platform.machine()
+    return version + cpu
 
 
 def _build(source: Path, target: Path) -> None:
@@ -66,9 +77,8 @@ def load(source: Path) -> ctypes.CDLL | None:
     if not enabled():
         return None
     try:
-        version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, timeout=30).stdout
         headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the source may include
-        key = hashlib.sha256("\0".join([source.read_text(), *headers, *FLAGS, version, _cpu_identity()]).encode())
+        key = hashlib.sha256("\0".join([source.read_text(), *headers, *FLAGS, _machine()]).encode())
         target = cache_dir() / "kernels" / key.hexdigest()[:16] / f"{source.stem}.so"
         if not target.exists():
             log.info("compiling %s for this machine", source.name)

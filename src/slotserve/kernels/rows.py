@@ -20,8 +20,7 @@ def available() -> bool:
 
 def applies(*tensors: torch.Tensor) -> bool:
     """Whether these tensors can take the native path: contiguous float32 on the CPU, no autograd."""
-    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) and available())
+    return native.takes(*tensors) and all(t.is_contiguous() for t in tensors) and available()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

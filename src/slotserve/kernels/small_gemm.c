@@ -153,8 +153,6 @@ TILES_FOR(4)
 typedef void (*tiles_fn)(const float *, long, const float *, long, long, const float *, float *, long, long, long);
 static const tiles_fn TILES[MV_MAX + 1] = {0, tiles_1, tiles_2, tiles_3, tiles_4};
 
-int slotserve_vector_width(void) { return VW; }
-
 /* out[M][N] = x[M][K] @ w[N][K]^T + bias (bias may be NULL); all row-major and contiguous. Returns 0,
    or -1 if the scratch buffer could not be allocated. */
 int slotserve_small_gemm(const float *x, const float *w, const float *bias, float *out, long M, long N, long K,

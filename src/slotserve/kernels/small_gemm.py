@@ -21,12 +21,6 @@ def available() -> bool:
     return native.function(SOURCE, "slotserve_small_gemm", _ARGS) is not None
 
 
-def vector_width() -> int:
-    """Floats per vector register in the build (16 with AVX-512, 8 otherwise); 0 when not built."""
-    fn = native.function(SOURCE, "slotserve_vector_width", ())
-    return fn() if fn is not None else 0
-
-
 def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T + bias, all float32 on the CPU."""
     gemm = native.require(native.function(SOURCE, "slotserve_small_gemm", _ARGS), SOURCE)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from slotserve.kernels import small_gemm
+from slotserve.kernels import native, small_gemm
 
 NATIVE_ROWS = range(1, 65)
 TRANSPOSED_ROWS = range(16, 65)
@@ -24,8 +24,7 @@ TRANSPOSED_ROWS = range(16, 65)
 
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.device.type != "cpu" or x.dtype != torch.float32 or (
-                torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+        if x.dim() != 2 or not native.takes(x, self.weight):
             return super().forward(x)
         rows = x.shape[0]
         if rows in NATIVE_ROWS and small_gemm.available():
