@@ -54,6 +54,23 @@ def test_missing_tensor_is_named(tiny):
         load_model(tiny, torch.float32, CPU)
 
 
+def test_q_k_v_load_into_the_merged_projection(tiny):
+    tensors = _weights(tiny)
+    model, _ = load_model(tiny, torch.float32, CPU)
+    attn = model.model.layers[1].self_attn
+    parts = [tensors[f"model.layers.1.self_attn.{p}_proj.{kind}"] for kind in ("weight", "bias") for p in "qkv"]
+    assert torch.equal(attn.qkv_proj.weight, torch.cat(parts[:3]))
+    assert torch.equal(attn.qkv_proj.bias, torch.cat(parts[3:]))
+
+
+def test_missing_part_of_a_merged_projection_is_named(tiny):
+    tensors = _weights(tiny)
+    del tensors["model.layers.0.self_attn.v_proj.bias"]
+    save_file(tensors, tiny / "model.safetensors")
+    with pytest.raises(WeightsError, match=r"lacks 1 tensors: model\.layers\.0\.self_attn\.v_proj\.bias"):
+        load_model(tiny, torch.float32, CPU)
+
+
 def test_wrong_shape_is_named(tiny):
     tensors = _weights(tiny)
     tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(3, 64)

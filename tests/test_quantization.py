@@ -70,7 +70,7 @@ def test_every_linear_replaced(llms):
     model = llms[1].engine.core.model
     assert not any(type(m) is nn.Linear for m in model.modules())
     layers = model.config.num_hidden_layers
-    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 7 * layers + 1  # q k v o gate up down, head
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 5 * layers + 1  # qkv o gate up down, head
 
 
 def test_tied_embedding_stays_float(tiny_qwen3):

@@ -17,15 +17,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from slotserve import host_memory
 from slotserve.bench.timing import median_seconds
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.model_runner import ScheduledSeq
 from slotserve.layers.quantization import Int8Linear
 
 
-def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes per second torch reads from DRAM: a sum over a buffer far larger than the caches."""
-    buf = torch.ones(nbytes // 4)
+def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, huge_pages: bool = True) -> float:
+    """Bytes per second torch reads from DRAM: a sum over a buffer far larger than the caches, in huge
+    pages (where the engine keeps its weights) or in torch's own allocation (4 KB pages, unless the
+    system gives every allocation huge ones)."""
+    if huge_pages and host_memory.enabled():
+        buf = host_memory.huge_page_bytes(nbytes).view(torch.float32).fill_(1.0)
+    else:
+        buf = torch.ones(nbytes // 4)
     return nbytes / median_seconds(buf.sum, repeats)
 
 
@@ -71,7 +77,7 @@ def _linear_params(model: nn.Module) -> tuple[int, int, int]:
 def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
     core, cfg, runner = engine.core, engine.model_config, engine.runner
     rng = random.Random(0)
-    bandwidth, gemm = measure_bandwidth(), measure_gemm()
+    bandwidth, bandwidth_4k, gemm = measure_bandwidth(), measure_bandwidth(huge_pages=False), measure_gemm()
     body, head, weight_bytes = _linear_params(core.model)
     kv_per_token = runner.cache_bytes_per_token(cfg, core.dtype)
 
@@ -118,7 +124,8 @@ def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
         # Which code ran: the native kernels (kernels/) or torch's operators in their place.
         "decode_attention": runner.decode_mode, "native_small_gemm": runner.native_gemm,
         "native_row_ops": runner.native_rows,
-        "memory_read_GBps": round(bandwidth / 1e9, 1),
+        "weights_in_huge_pages": core.weights_in_huge_pages,
+        "memory_read_GBps": round(bandwidth / 1e9, 1), "memory_read_torch_alloc_GBps": round(bandwidth_4k / 1e9, 1),
         "gemm_fp32_GFLOPs": round(gemm / 1e9, 1),
         "decode_batch1": {
             "tokens_per_s": round(1 / decode_s, 2), "bytes_per_token_MB": round(decode_bytes / 1e6, 1),

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from slotserve import host_memory
 from slotserve.config import EngineConfig, ModelConfig, parse_device, parse_dtype
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
 from slotserve.engine.request import EngineCoreOutput, EngineCoreRequest, Request
@@ -20,7 +21,7 @@ from slotserve.engine.scheduler import Scheduler
 from slotserve.kv_cache.manager import KVCacheManager
 from slotserve.layers.quantization import quantize_int8
 from slotserve.layers.sampler import Sampler, SamplingState, prompt_logprobs
-from slotserve.models.loader import load_model
+from slotserve.models.loader import available_memory, load_model
 from slotserve.models.pooling import PoolingConfig, load_pooling_config, resolve_task
 from slotserve.outputs import PositionLogprobs
 from slotserve.parallel.cpu import apply_cpu_settings
@@ -59,6 +60,9 @@ class EngineCore:
 
         cfg = self.model_config
         budget = config.kv_cache_memory or self._default_kv_budget()
+        # On CPU the weights move into huge pages when they fit beside the KV cache (host_memory.py).
+        self.weights_in_huge_pages = self.device.type == "cpu" and host_memory.move_weights(
+            self.model, available_memory(self.device).available - budget) > 0
         bytes_per_block = ModelRunner.cache_bytes_per_token(cfg, self.dtype) * config.block_size
         num_blocks = budget // bytes_per_block
         if num_blocks < 1:
@@ -71,12 +75,13 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.load_seconds = time.perf_counter() - start
         logger.info("loaded %s (%s, %s, %s, %d threads%s) in %.1f s; KV cache: %d blocks x %d tokens = %d tokens; "
-                    "max_model_len %d; decode attention: %s%s", config.model, cfg.architecture, self.device,
+                    "max_model_len %d; decode attention: %s%s%s", config.model, cfg.architecture, self.device,
                     str(self.dtype).removeprefix("torch."), self.cpu.threads,
                     f" on cores {','.join(map(str, self.cpu.cpu_affinity))}" if self.cpu.cpu_affinity else "",
                     self.load_seconds, num_blocks, config.block_size, num_blocks * config.block_size,
                     self.max_model_len, self.runner.decode_mode,
-                    "; small-batch GEMM: native" if self.runner.native_gemm else "")
+                    "; small-batch GEMM: native" if self.runner.native_gemm else "",
+                    "; weights in huge pages" if self.weights_in_huge_pages else "")
 
     @property
     def vocab_size(self) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from slotserve import host_memory
 from slotserve.config import ModelConfig
 from slotserve.kernels import rows, small_gemm
 from slotserve.layers.attention import (
@@ -57,8 +58,8 @@ class ModelRunner:
         self.native_rows = cpu_fp32 and rows.available()
         self.gather_limit = gather_max_tokens(cfg.num_key_value_heads, cfg.head_dim, self.dtype)
         shape = (cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.k_cache = host_memory.zeros(shape, self.dtype, self.device)
+        self.v_cache = host_memory.zeros(shape, self.dtype, self.device)
         layers = [m for m in model.modules() if isinstance(m, Attention)]
         for i, attn in enumerate(layers):
             attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]

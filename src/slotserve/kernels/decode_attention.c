@@ -80,21 +80,32 @@ static void offsets_of(long *offsets, const int *table, long len, long block_siz
             offsets[pos] = ((long)table[block] * block_size + i) * stride;
 }
 
-/* One (sequence, kv head) task: the kv head's `group` query heads over the sequence's `len` keys.
-   scores: scratch of group * padded floats (padded: len rounded up to the vector width); offsets:
-   each key's place in the cache. */
+/* One task: kv heads [h0, h1) of one sequence, each with its `group` query heads, over the sequence's `len`
+   keys. A key's rows for all of the task's kv heads lie side by side in the cache, so visiting the heads
+   inside the loop over keys reads each block front to back. q, out: the sequence's row; scores: scratch
+   of (h1 - h0) * group * padded floats (padded: len rounded up to the vector width); offsets: each
+   key's slot in the cache, in floats. */
 static void attend(const float *q, float *out, const float *k_cache, const float *v_cache, const long *offsets,
-                   long len, long padded, long group, long head_dim, float scale, float *scores) {
+                   long len, long padded, long h0, long h1, long group, long head_dim, float scale,
+                   float *scores) {
+    const long heads = (h1 - h0) * group, span = (h1 - h0) * head_dim;
+    q += h0 * group * head_dim;
+    out += h0 * group * head_dim;
     for (long pos = 0; pos < len; pos++) {
         if (pos + AHEAD < len) {
-            prefetch_row(k_cache + offsets[pos + AHEAD], head_dim);
-            prefetch_row(v_cache + offsets[pos + AHEAD], head_dim); /* for the weighted sum, a pass later */
+            prefetch_row(k_cache + offsets[pos + AHEAD] + h0 * head_dim, span);
+            prefetch_row(v_cache + offsets[pos + AHEAD] + h0 * head_dim, span); /* for the weighted sum */
         }
-        const float *key = k_cache + offsets[pos];
-        for (long g = 0; g < group; g++) scores[g * padded + pos] = dot(q + g * head_dim, key, head_dim) * scale;
+        for (long h = 0; h < h1 - h0; h++) {
+            const float *key = k_cache + offsets[pos] + (h0 + h) * head_dim;
+            for (long g = 0; g < group; g++) {
+                const long i = h * group + g;
+                scores[i * padded + pos] = dot(q + i * head_dim, key, head_dim) * scale;
+            }
+        }
     }
-    for (long g = 0; g < group; g++) {
-        float *s = scores + g * padded;
+    for (long i = 0; i < heads; i++) {
+        float *s = scores + i * padded;
         for (long pos = len; pos < padded; pos++) s[pos] = -INFINITY; /* exp: 0 */
         vf lanes = splat(-INFINITY);
         for (long pos = 0; pos < padded; pos += VW) lanes = vmax(lanes, load(s + pos));
@@ -109,12 +120,18 @@ static void attend(const float *q, float *out, const float *k_cache, const float
         const float inv = 1.0f / hsum(total);
         for (long pos = 0; pos < padded; pos++) s[pos] *= inv;
     }
-    memset(out, 0, (size_t)(group * head_dim) * sizeof(float));
+    memset(out, 0, (size_t)(heads * head_dim) * sizeof(float));
     for (long pos = 0; pos < padded; pos += KEYS) {
         /* past len: weight 0 (the padding's exp) on a real row, which leaves the sum as it is */
         const float *values[KEYS];
-        for (int j = 0; j < KEYS; j++) values[j] = v_cache + offsets[pos + j < len ? pos + j : 0];
-        for (long g = 0; g < group; g++) axpy(out + g * head_dim, scores + g * padded + pos, values, head_dim);
+        for (long h = 0; h < h1 - h0; h++) {
+            for (int j = 0; j < KEYS; j++)
+                values[j] = v_cache + offsets[pos + j < len ? pos + j : 0] + (h0 + h) * head_dim;
+            for (long g = 0; g < group; g++) {
+                const long i = h * group + g;
+                axpy(out + i * head_dim, scores + i * padded + pos, values, head_dim);
+            }
+        }
     }
 }
 
@@ -127,10 +144,12 @@ int slotserve_decode_attention(const float *q, float *out, const long *rows, con
     long max_len = 0;
     for (long b = 0; b < seqs; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
     const long padded = (max_len + VW - 1) / VW * VW;
+    /* A task per sequence; with too few sequences to share out among the threads, a task per kv head. */
+    const long splits = seqs >= 2 * threads ? 1 : kv_heads;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *scores = malloc((size_t)(group * padded) * sizeof(float));
+        float *scores = malloc((size_t)(heads / splits * padded) * sizeof(float));
         long *offsets = malloc((size_t)padded * sizeof(long));
         if (!scores || !offsets) {
 #pragma omp atomic write
@@ -138,17 +157,17 @@ int slotserve_decode_attention(const float *q, float *out, const long *rows, con
         }
         long offsets_of_seq = -1; /* whose offsets are in `offsets`: a sequence's kv heads come in turn */
 #pragma omp for schedule(dynamic, 1)
-        for (long task = 0; task < seqs * kv_heads; task++) {
+        for (long task = 0; task < seqs * splits; task++) {
             if (!scores || !offsets) continue;
-            const long b = task / kv_heads, h = task % kv_heads;
+            const long b = task / splits, part = task % splits;
             const long len = lens[b];
             if (offsets_of_seq != b) {
                 offsets_of(offsets, block_tables + b * table_width, len, block_size, kv_heads * head_dim);
                 offsets_of_seq = b;
             }
-            const long row = rows[b] * heads * head_dim + h * group * head_dim;
-            attend(q + row, out + row, k_cache + h * head_dim, v_cache + h * head_dim, offsets, len,
-                   (len + VW - 1) / VW * VW, group, head_dim, scale, scores);
+            const long row = rows[b] * heads * head_dim;
+            attend(q + row, out + row, k_cache, v_cache, offsets, len, (len + VW - 1) / VW * VW,
+                   part * kv_heads / splits, (part + 1) * kv_heads / splits, group, head_dim, scale, scores);
         }
         free(scores);
         free(offsets);

@@ -13,6 +13,7 @@ from torch import nn
 from tqdm import tqdm
 
 from slotserve.config import ModelConfig
+from slotserve.layers.linear import MergedLinear
 from slotserve.models.registry import model_class
 
 logger = logging.getLogger("slotserve")
@@ -66,37 +67,80 @@ def build_meta_model(cfg: ModelConfig, max_position: int | None = None) -> nn.Mo
         return model_class(cfg.architecture)(cfg, max_position)
 
 
+@dataclass(frozen=True)
+class TensorPlace:
+    """Where one checkpoint tensor goes: a parameter of the model, or some rows of one (a part of a
+    `MergedLinear`)."""
+
+    param: str
+    shape: tuple[int, ...]
+    rows: slice | None = None
+
+
+def checkpoint_layout(model: nn.Module) -> dict[str, TensorPlace]:
+    """Each checkpoint tensor name the model takes, and its place (a tied lm_head appears once, as the
+    embedding)."""
+    layout = {name: TensorPlace(name, tuple(p.shape)) for name, p in model.named_parameters()}
+    for module_name, module in model.named_modules():
+        if not isinstance(module, MergedLinear):
+            continue
+        parent = module_name.rpartition(".")[0]
+        for param_name, p in module.named_parameters(recurse=False):
+            param = f"{module_name}.{param_name}"
+            del layout[param]
+            for i, part in enumerate(module.parts):
+                rows = module.part_rows(i)
+                layout[".".join(filter(None, (parent, part, param_name)))] = TensorPlace(
+                    param, (rows.stop - rows.start, *p.shape[1:]), rows)
+    return layout
+
+
 def load_weights(model: nn.Module, files: list[Path], dtype: torch.dtype, device: torch.device) -> None:
     """Replaces every meta parameter with its checkpoint tensor, checking names and shapes.
 
     Tensors already in the wanted dtype on CPU stay views of the memory-mapped file (no copy, pages
-    shared with the OS cache), which is what makes a second load of a model take seconds."""
-    expected = {name: p.shape for name, p in model.named_parameters()}  # a tied lm_head appears once
+    shared with the OS cache), which is what makes a second load of a model take seconds; the parts of
+    a merged projection are copied into its weight."""
+    layout = checkpoint_layout(model)
+    loaded: set[str] = set()
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for key in tqdm(f.keys(), desc=f"Loading {file.name}", unit="tensor", leave=False):
-                    if key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and key not in expected):
+                    if key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and key not in layout):
                         continue
                     tensor_name = key
-                    if key not in expected and f"model.{key}" in expected:
+                    if key not in layout and f"model.{key}" in layout:
                         key = f"model.{key}"  # a bare-decoder checkpoint (Qwen3Model) names tensors without it
-                    if key not in expected:
+                    if key not in layout:
                         raise WeightsError(f"{file}: tensor {key!r} has no place in {type(model).__name__}")
-                    tensor = f.get_tensor(tensor_name)
-                    if tuple(tensor.shape) != tuple(expected[key]):
+                    place, tensor = layout[key], f.get_tensor(tensor_name)
+                    if tuple(tensor.shape) != place.shape:
                         raise WeightsError(f"{file}: tensor {key!r} has shape {tuple(tensor.shape)}, "
-                                           f"the config implies {tuple(expected[key])}")
-                    module_name, _, param_name = key.rpartition(".")
-                    param = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
-                    setattr(model.get_submodule(module_name), param_name, param)
+                                           f"the config implies {place.shape}")
+                    _place(model, place, tensor, dtype, device)
+                    loaded.add(key)
         except SafetensorError as e:
             raise WeightsError(f"{file}: cannot read safetensors ({e})") from None
     model.tie_weights()
-    missing = sorted(name for name, p in model.named_parameters() if p.is_meta)
+    missing = sorted(set(layout) - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise WeightsError(f"{files[0].parent}: checkpoint lacks {len(missing)} tensors: {shown}")
+
+
+def _place(model: nn.Module, place: TensorPlace, tensor: torch.Tensor, dtype: torch.dtype,
+           device: torch.device) -> None:
+    module_name, _, param_name = place.param.rpartition(".")
+    module = model.get_submodule(module_name)
+    if place.rows is None:
+        setattr(module, param_name, nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False))
+        return
+    param = getattr(module, param_name)
+    if param.is_meta:
+        param = nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device), requires_grad=False)
+        setattr(module, param_name, param)
+    param.data[place.rows].copy_(tensor)
 
 
 # ---- memory check ------------------------------------------------------------------------------
@@ -140,7 +184,8 @@ def weight_footprint(model: nn.Module, dtype: torch.dtype, device: torch.device,
     """The bytes of `model`'s parameters (as built on the meta device from the config) in `dtype`.
 
     On CPU a tensor the checkpoint (`stored`: name -> dtype) already holds in `dtype` stays mapped
-    from the file; without `stored` every weight counts as copied."""
+    from the file; without `stored` every weight counts as copied, as do merged projections (no
+    checkpoint tensor has their name)."""
     elem = torch.empty(0, dtype=dtype).element_size()
     mapped = copied = 0
     for name, p in model.named_parameters():  # a tied lm_head appears once

@@ -15,7 +15,7 @@ from torch import nn
 
 from slotserve.config import ModelConfig
 from slotserve.layers.attention import Attention, AttentionMetadata
-from slotserve.layers.linear import Linear
+from slotserve.layers.linear import Linear, MergedLinear
 from slotserve.layers.norm import RMSNorm
 from slotserve.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -41,20 +41,20 @@ class QwenAttention(nn.Module):
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        # Separate projections (not one fused GEMM) so every checkpoint tensor maps to one parameter and
-        # loads zero-copy from the memory-mapped file; at batch 1 on CPU fusing saves nothing measurable.
-        self.q_proj = Linear(cfg.hidden_size, self.q_size, bias=cfg.attention_bias)
-        self.k_proj = Linear(cfg.hidden_size, self.kv_size, bias=cfg.attention_bias)
-        self.v_proj = Linear(cfg.hidden_size, self.kv_size, bias=cfg.attention_bias)
+        self.qkv_sizes = [self.q_size, self.kv_size, self.kv_size]  # (the module may become an Int8Linear)
+        self.qkv_proj = MergedLinear(cfg.hidden_size, self.qkv_sizes, ("q_proj", "k_proj", "v_proj"),
+                                     bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        # Dense copies of the column slices (free for one row): the native row kernels take dense rows.
+        q, k, v = (t.contiguous() for t in self.qkv_proj(x).split(self.qkv_sizes, dim=-1))
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
@@ -65,6 +65,8 @@ class QwenAttention(nn.Module):
 class QwenMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        # gate and up stay two tensors: each is large enough that a call's fixed cost is lost in it, and
+        # a MoE's experts (this module too) keep loading zero-copy from the memory-mapped checkpoint.
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
