@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from slotserve.kernels import decode_attention
-from slotserve.layers.attention import Attention, AttentionMetadata, GatherWorkspace, PagedDecodeBatch
+from slotserve.kernels.decode_attention import PagedTables
+from slotserve.layers.attention import Attention, AttentionMetadata, GatherWorkspace
 
 BS, H, KV, D = 4, 4, 2, 8
 NEEDS_KERNEL = pytest.mark.skipif(not decode_attention.available(), reason="no C compiler with OpenMP here")
@@ -54,7 +55,7 @@ def test_mixed_batch_matches_reference(mode, layout, gather_limit):
         assert not any(joined)
     elif gather_limit or mode == "paged":
         assert all(joined)
-    assert isinstance(meta.decode, PagedDecodeBatch) == (mode == "paged")
+    assert isinstance(meta.decode, PagedTables) == (mode == "paged")
     out = attn(q, k, v, meta)
     row = 0
     for table, n, ql in zip(tables, seq_lens, query_lens, strict=True):
@@ -146,8 +147,8 @@ def test_paged_kernel_matches_reference_for_many_shapes(heads, kv_heads, dim):
     width = max(need)
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     rows = torch.arange(1, len(lengths) + 1)
-    decode_attention.decode_attention(q, out, rows, k_cache, v_cache, padded,
-                                      torch.tensor(lengths, dtype=torch.int32), bs, dim**-0.5)
+    paged = PagedTables.build(rows, padded, torch.tensor(lengths, dtype=torch.int32), bs)
+    decode_attention.decode_attention(q, out, k_cache, v_cache, paged, bs, dim**-0.5)
     assert torch.equal(out[0], torch.full_like(out[0], 7.0))
     for row, table, n in zip(rows.tolist(), tables, lengths, strict=True):
         ctx = [table[p // bs] * bs + p % bs for p in range(n)]
@@ -164,8 +165,8 @@ def test_paged_kernel_rejects_tables_that_do_not_fit_the_cache():
     table, rows = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([0, 1])
 
     def call(table=table, lens=(3, 5), rows=rows, q=q):
-        decode_attention.decode_attention(q, out, rows, cache, cache, table, torch.tensor(lens, dtype=torch.int32),
-                                          BS, 1.0)
+        tables = PagedTables.build(rows, table, torch.tensor(lens, dtype=torch.int32), BS)
+        decode_attention.decode_attention(q, out, cache, cache, tables, BS, 1.0)
 
     call()
     with pytest.raises(ValueError, match="out of range"):

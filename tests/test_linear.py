@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from slotserve.kernels import native, small_gemm
 from slotserve.layers import linear
@@ -58,9 +59,11 @@ def test_small_gemm_uses_every_thread_count_the_same_way():
 
 @needs_kernel
 def test_small_gemm_rejects_bad_input():
-    with pytest.raises(ValueError, match="do not multiply"):
+    with pytest.raises(ValueError, match="does not multiply"):
         small_gemm.small_gemm(torch.randn(4, 8), torch.randn(3, 9))
-    with pytest.raises(ValueError, match="weight must be float32"):
+    with pytest.raises(ValueError, match="do not fit together"):
+        small_gemm.small_gemm(torch.randn(4, 8), torch.randn(3, 8), torch.randn(4))
+    with pytest.raises(ValueError, match="weight must be a contiguous float32"):
         small_gemm.small_gemm(torch.randn(4, 8), torch.randn(3, 8, dtype=torch.float64))
     x = torch.randn(8, 4).t()  # non-contiguous input is copied, not misread
     w = torch.randn(3, 8)
@@ -93,6 +96,19 @@ def test_decode_sized_batches_go_through_the_kernel():
     x = torch.randn(8, 64)
     with torch.inference_mode():
         assert torch.equal(layer(x), small_gemm.small_gemm(x, layer.weight, layer.bias))
+
+
+@needs_kernel
+def test_a_replaced_weight_is_the_one_multiplied():
+    """The layer binds the kernel to its weight once; a new weight (moved to huge pages, reloaded) rebinds it."""
+    torch.manual_seed(0)
+    layer = Linear(64, 48)
+    x = torch.randn(4, 64)
+    with torch.inference_mode():
+        layer(x)
+        layer.weight = nn.Parameter(torch.randn(48, 64), requires_grad=False)
+        layer.bias = None
+        assert torch.equal(layer(x), small_gemm.small_gemm(x, layer.weight))
 
 
 def test_training_and_other_dtypes_take_nn_linear():

@@ -35,6 +35,26 @@ def test_rms_norm_matches_reference(shape):
     torch.testing.assert_close(out, _norm_reference(x, norm.weight, 1e-6), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("shape", [(1, 896), (100, 13), (1, 1)])
+def test_add_and_norm_adds_the_residual_then_normalizes(shape, native, monkeypatch):
+    if native and not rows.available():
+        pytest.skip("no C compiler with OpenMP here")
+    if not native:
+        monkeypatch.setattr(rows, "applies", lambda *t: False)
+    torch.manual_seed(0)
+    norm = RMSNorm(shape[-1], 1e-6)
+    norm.weight.data = torch.randn(shape[-1])
+    x, residual = torch.randn(*shape), torch.randn(*shape)
+    total = residual + x
+    with torch.inference_mode():
+        out, stream = norm.add_and_norm(x, residual.clone())
+        separate = norm(total)
+    assert torch.equal(stream, total)  # the same bits as the separate add
+    assert torch.equal(out, separate)
+    torch.testing.assert_close(out, _norm_reference(total, norm.weight, 1e-6), rtol=1e-5, atol=1e-5)
+
+
 @needs_kernel
 @pytest.mark.parametrize(("tokens", "heads", "dim"), [(1, 14, 64), (33, 2, 64), (100, 3, 10), (70, 8, 128)])
 def test_rotary_matches_reference(tokens, heads, dim):
@@ -71,5 +91,7 @@ def test_autograd_and_other_dtypes_keep_the_torch_path():
 def test_row_kernels_reject_shapes_that_do_not_fit():
     with pytest.raises(ValueError, match="weight"):
         rows.rms_norm(torch.randn(4, 16), torch.randn(15), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        rows.rms_norm(torch.randn(4, 16), torch.randn(16), 1e-6, torch.randn(3, 16))
     with pytest.raises(ValueError, match="do not fit"):
         rows.rotary(torch.randn(4, 2, 16), torch.randn(4, 7), torch.randn(4, 7))

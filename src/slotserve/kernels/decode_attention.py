@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,32 +19,50 @@ def available() -> bool:
     return native.function(SOURCE, "slotserve_decode_attention", _ARGS) is not None
 
 
-def decode_attention(q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor, block_size: int,
-                     scale: float) -> None:
+@dataclass(frozen=True)
+class PagedTables:
+    """Which cache slots each decode row reads: sequence b's query row rows[b] attends to its first
+    lens[b] positions, held in blocks block_tables[b]. Checked once when built (a step's every layer
+    reads the same tables), since the kernel trusts them: a call then only compares the two bounds."""
+
+    rows: torch.Tensor  # [B] int64
+    block_tables: torch.Tensor  # [B, width] int32, padded with any valid block
+    lens: torch.Tensor  # [B] int32
+    blocks_needed: int  # 1 + the largest block id: the cache must hold this many blocks
+    rows_needed: int  # 1 + the largest query row: q must have this many rows
+
+    @classmethod
+    def build(cls, rows: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor, block_size: int) -> PagedTables:
+        seqs = rows.shape[0]
+        if (rows.dtype != torch.long or block_tables.dtype != torch.int32 or lens.dtype != torch.int32
+                or rows.dim() != 1 or block_tables.dim() != 2 or block_tables.shape[0] != seqs
+                or lens.shape != (seqs,)):
+            raise ValueError("decode_attention: rows int64 [seqs], block_tables int32 [seqs, width], lens int32 [seqs]")
+        if seqs and (int(lens.min()) < 1 or int(lens.max()) > block_tables.shape[1] * block_size
+                     or int(block_tables.min()) < 0 or int(rows.min()) < 0):
+            raise ValueError("decode_attention: lens, block_tables or rows out of range for the cache or the batch")
+        blocks_needed = int(block_tables.max()) + 1 if block_tables.numel() else 0
+        return cls(rows.contiguous(), block_tables.contiguous(), lens.contiguous(), blocks_needed,
+                   int(rows.max()) + 1 if seqs else 0)
+
+
+def decode_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     tables: PagedTables, block_size: int, scale: float) -> None:
     """For each sequence b, out[rows[b]] = softmax(q[rows[b]] K^T * scale) V over its first lens[b] cache
-    slots (block_tables[b] lists its blocks). q, out: [tokens, heads, head_dim]; caches: [slots, kv_heads,
-    head_dim]; float32 CPU tensors, contiguous. rows int64, block_tables and lens int32."""
+    slots. q, out: [tokens, heads, head_dim]; caches: [slots, kv_heads, head_dim]; float32 CPU tensors,
+    contiguous."""
     attend = native.require(native.function(SOURCE, "slotserve_decode_attention", _ARGS), SOURCE)
     heads, head_dim = q.shape[1:]
     kv_heads = k_cache.shape[1]
-    seqs = rows.shape[0]
     for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError(f"decode_attention: {name} must be a contiguous float32 CPU tensor")
     if heads % kv_heads or out.shape != q.shape or k_cache.shape != v_cache.shape or k_cache.shape[2] != head_dim:
         raise ValueError(f"decode_attention: shapes q {tuple(q.shape)}, out {tuple(out.shape)}, "
                          f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit together")
-    if (rows.dtype != torch.long or block_tables.dtype != torch.int32 or lens.dtype != torch.int32
-            or block_tables.shape[0] != seqs or lens.shape != (seqs,)):
-        raise ValueError("decode_attention: rows int64 [seqs], block_tables int32 [seqs, width], lens int32 [seqs]")
-    # The kernel trusts the tables: out-of-range entries would read outside the cache.
-    if seqs and (int(lens.min()) < 1 or int(lens.max()) > block_tables.shape[1] * block_size
-                 or int(block_tables.min()) < 0 or int(block_tables.max()) >= k_cache.shape[0] // block_size
-                 or int(rows.min()) < 0 or int(rows.max()) >= q.shape[0]):
+    if tables.blocks_needed > k_cache.shape[0] // block_size or tables.rows_needed > q.shape[0]:
         raise ValueError("decode_attention: lens, block_tables or rows out of range for the cache or the batch")
-    block_tables, lens, rows = block_tables.contiguous(), lens.contiguous(), rows.contiguous()
-    if attend(q.data_ptr(), out.data_ptr(), rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-              block_tables.data_ptr(), block_tables.shape[1], lens.data_ptr(), seqs, heads, kv_heads, head_dim,
-              block_size, scale, torch.get_num_threads()):
+    if attend(q.data_ptr(), out.data_ptr(), tables.rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+              tables.block_tables.data_ptr(), tables.block_tables.shape[1], tables.lens.data_ptr(),
+              tables.rows.shape[0], heads, kv_heads, head_dim, block_size, scale, torch.get_num_threads()):
         raise MemoryError("decode_attention: no memory for the score buffers")

@@ -1,5 +1,5 @@
 /* The per-row operations of a decoder layer, one call each where torch takes six to nine small ops:
-   RMSNorm and rotary embedding. At batch 1 and in decode steps these tensors are a few KB, and the
+   RMSNorm (with the residual add before it) and rotary embedding. At batch 1 and in decode steps these tensors are a few KB, and the
    cost of each torch op is its dispatch; a prefill's rows are split over the threads.
 
    Row by row, so a row's result does not depend on the others in the batch. */
@@ -10,13 +10,22 @@
 
 #define PARALLEL_ROWS 64 /* fewer rows than this run on the calling thread: a thread hand-off costs more */
 
-/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, over rows of dim floats. */
-int slotserve_rms_norm(const float *x, const float *weight, float *out, long rows, long dim, float eps,
-                       int threads) {
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, over rows of dim floats. With a residual stream,
+   first residual[r] += x[r] (in place), and the sum is what gets normalized: the decoder layer's
+   residual add and the next norm in one pass. */
+int slotserve_rms_norm(const float *x, float *residual, const float *weight, float *out, long rows, long dim,
+                       float eps, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows >= PARALLEL_ROWS)
     for (long r = 0; r < rows; r++) {
         const float *xr = x + r * dim;
         float *o = out + r * dim;
+        if (residual) {
+            float *res = residual + r * dim;
+            long d = 0;
+            for (; d + VW <= dim; d += VW) store(res + d, load(res + d) + load(xr + d));
+            for (; d < dim; d++) res[d] += xr[d];
+            xr = res;
+        }
         vf acc = {0};
         long d = 0;
         for (; d + VW <= dim; d += VW) {

@@ -1,4 +1,5 @@
-"""RMSNorm and rotary embedding in one native call each (rows.c), for CPU float32 tensors."""
+"""RMSNorm (with the residual add before it) and rotary embedding in one native call each (rows.c), for
+CPU float32 tensors."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from slotserve.kernels import native
 
 SOURCE = Path(__file__).with_name("rows.c")
-_NORM_ARGS = (ctypes.c_void_p,) * 3 + (ctypes.c_long,) * 2 + (ctypes.c_float, ctypes.c_int)
+_NORM_ARGS = (ctypes.c_void_p,) * 4 + (ctypes.c_long,) * 2 + (ctypes.c_float, ctypes.c_int)
 _ROTARY_ARGS = (ctypes.c_void_p,) * 4 + (ctypes.c_long,) * 3 + (ctypes.c_int,)
 
 
@@ -23,14 +24,18 @@ def applies(*tensors: torch.Tensor) -> bool:
     return native.takes(*tensors) and all(t.is_contiguous() for t in tensors) and available()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2, last dim) + eps) * weight, for x [..., dim]."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x / sqrt(mean(x^2, last dim) + eps) * weight, for x [..., dim]. With `residual` (x's shape): first
+    residual += x in place, then the norm of that sum."""
     norm = native.require(native.function(SOURCE, "slotserve_rms_norm", _NORM_ARGS), SOURCE)
     dim = x.shape[-1]
     if weight.shape != (dim,):
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not match the last dim of x {tuple(x.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"rms_norm: residual {tuple(residual.shape)} is not the shape of x {tuple(x.shape)}")
     out = torch.empty_like(x)
-    norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps, torch.get_num_threads())
+    norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+         x.numel() // dim, dim, eps, torch.get_num_threads())
     return out
 
 

@@ -21,19 +21,36 @@ def available() -> bool:
     return native.function(SOURCE, "slotserve_small_gemm", _ARGS) is not None
 
 
+class BoundGemm:
+    """The kernel bound to one weight and bias, checked once: a call checks only its input. A decode
+    step of the default model makes 121 of these calls, each between two streams of weights that have
+    pushed Python's own data out of the caches, where every check costs several times what it does warm."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self._gemm = native.require(native.function(SOURCE, "slotserve_small_gemm", _ARGS), SOURCE)
+        if weight.dim() != 2 or (bias is not None and bias.shape != weight.shape[:1]):
+            raise ValueError(f"small_gemm: weight {tuple(weight.shape)} and bias "
+                             f"{None if bias is None else tuple(bias.shape)} do not fit together")
+        for name, t in (("weight", weight), ("bias", bias)):
+            if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()):
+                raise ValueError(f"small_gemm: {name} must be a contiguous float32 CPU tensor")
+        self.weight, self.bias = weight, bias  # held: the kernel reads them through raw pointers
+        self._pointers = (weight.data_ptr(), None if bias is None else bias.data_ptr())
+        self.n, self.k = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ weight^T + bias."""
+        if x.dim() != 2 or x.shape[1] != self.k or x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"small_gemm: x {tuple(x.shape)} {x.dtype} on {x.device} does not multiply a float32 "
+                             f"CPU weight of {self.k} columns")
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], self.n)
+        if self._gemm(x.data_ptr(), *self._pointers, out.data_ptr(), x.shape[0], self.n, self.k,
+                      torch.get_num_threads()):
+            raise MemoryError(f"small_gemm: no memory for a {self.k} x {x.shape[0]} scratch buffer")
+        return out
+
+
 def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T + bias, all float32 on the CPU."""
-    gemm = native.require(native.function(SOURCE, "slotserve_small_gemm", _ARGS), SOURCE)
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"small_gemm: shapes {tuple(x.shape)} and {tuple(weight.shape)} do not multiply")
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
-            raise ValueError(f"small_gemm: {name} must be float32 on the CPU, not {t.dtype} on {t.device}")
-    x, weight = x.contiguous(), weight.contiguous()
-    bias = bias.contiguous() if bias is not None else None
-    (m, k), n = x.shape, weight.shape[0]
-    out = torch.empty(m, n)
-    if gemm(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
-            m, n, k, torch.get_num_threads()):
-        raise MemoryError(f"small_gemm: no memory for a {k} x {m} scratch buffer")
-    return out
+    return BoundGemm(weight.contiguous(), None if bias is None else bias.contiguous())(x)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slotserve.kernels import decode_attention
+from slotserve.kernels.decode_attention import PagedTables
 
 DECODE_MODES = ("paged", "batched", "per_seq")
 # Every sequence is attended with its keys padded (and masked) to a multiple of this. torch's CPU
@@ -63,15 +64,6 @@ class DecodeBatch:
 
 
 @dataclass
-class PagedDecodeBatch:
-    """Decode rows the native kernel reads from their blocks: row i attends to its first lens[i] slots."""
-
-    rows: torch.Tensor  # [B] int64 query rows in the flat batch
-    block_tables: torch.Tensor  # [B, width] int32, padded with block 0
-    lens: torch.Tensor  # [B] int32 keys per row (history + the new token)
-
-
-@dataclass
 class AttentionMetadata:
     """The layout of one step's flat batch: sequence i owns query rows query_start[i]:query_start[i+1]."""
 
@@ -79,7 +71,7 @@ class AttentionMetadata:
     seq_lens: list[int]  # tokens in context after this step (history + new), per sequence
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
     context: list[slice | torch.Tensor | None]  # per sequence its context's slots; None: in `decode`
-    decode: DecodeBatch | PagedDecodeBatch | None = None
+    decode: DecodeBatch | PagedTables | None = None  # PagedTables: the native kernel's
     workspace: GatherWorkspace | None = None
     block_size: int = 0
 
@@ -163,11 +155,11 @@ def _decode_batch(rows: list[int], tables: list[list[int]], lengths: list[int], 
 
 
 def _paged_batch(rows: list[int], tables: list[list[int]], lengths: list[int], block_size: int,
-                 device: torch.device) -> PagedDecodeBatch:
+                 device: torch.device) -> PagedTables:
     width = max(-(-n // block_size) for n in lengths)
     padded = [table[:width] + [0] * (width - len(table[:width])) for table in tables]
-    return PagedDecodeBatch(torch.tensor(rows, device=device), torch.tensor(padded, dtype=torch.int32, device=device),
-                            torch.tensor(lengths, dtype=torch.int32, device=device))
+    return PagedTables.build(torch.tensor(rows, device=device), torch.tensor(padded, dtype=torch.int32, device=device),
+                             torch.tensor(lengths, dtype=torch.int32, device=device), block_size)
 
 
 def paged_decode_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -196,10 +188,9 @@ class Attention(nn.Module):
             start, end = meta.query_start[i], meta.query_start[i + 1]
             keys, values = self._read(slots, meta.workspace)
             out[start:end] = self._attend(q[start:end], keys, values, meta.seq_lens[i])
-        if isinstance(meta.decode, PagedDecodeBatch):
-            decode = meta.decode
-            decode_attention.decode_attention(q.contiguous(), out, decode.rows, self.k_cache, self.v_cache,
-                                              decode.block_tables, decode.lens, meta.block_size, self.scale)
+        if isinstance(meta.decode, PagedTables):
+            decode_attention.decode_attention(q.contiguous(), out, self.k_cache, self.v_cache, meta.decode,
+                                              meta.block_size, self.scale)
         elif meta.decode is not None:
             out[meta.decode.rows] = self._attend_decode(q, meta.decode, meta.workspace)
         return out

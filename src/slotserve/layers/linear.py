@@ -25,12 +25,17 @@ TRANSPOSED_ROWS = range(16, 65)
 
 
 class Linear(nn.Linear):
+    _gemm: small_gemm.BoundGemm | None = None  # the kernel bound to this layer's current weight and bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or not native.takes(x, self.weight):
             return super().forward(x)
         rows = x.shape[0]
-        if rows in NATIVE_ROWS and small_gemm.available():
-            return small_gemm.small_gemm(x, self.weight, self.bias)
+        if rows in NATIVE_ROWS and small_gemm.available() and self.weight.is_contiguous():
+            gemm = self._gemm
+            if gemm is None or gemm.weight is not self.weight or gemm.bias is not self.bias:
+                gemm = self._gemm = small_gemm.BoundGemm(self.weight, self.bias)
+            return gemm(x)
         if rows in TRANSPOSED_ROWS:
             if self.bias is None:
                 return torch.mm(self.weight, x.t()).t()

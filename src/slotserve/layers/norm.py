@@ -1,6 +1,7 @@
 """RMSNorm, computed in float32 whatever the weights' dtype (as the reference implementation does).
 
-On a CPU in float32 it is one native call (kernels/rows.c) instead of six torch ops."""
+On a CPU in float32 it is one native call (kernels/rows.c) instead of six torch ops, and with the
+residual add before it (`add_and_norm`) one instead of seven."""
 
 import torch
 from torch import nn
@@ -17,6 +18,17 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if rows.applies(x, self.weight):
             return rows.rms_norm(x, self.weight, self.eps)
+        return self._torch(x)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): a decoder layer's residual add and the norm after it, as
+        one native call on the CPU (which updates `residual` in place and returns it)."""
+        if rows.applies(x, residual, self.weight):
+            return rows.rms_norm(x, self.weight, self.eps, residual), residual
+        residual = residual + x
+        return self._torch(residual), residual
+
+    def _torch(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

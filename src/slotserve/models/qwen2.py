@@ -87,9 +87,16 @@ class QwenDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, not yet added to the residual stream (the add is fused into
+        this layer's first norm); returns this layer's output and the stream."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(rope, x, meta), residual)
+        return self.mlp(x), residual
 
 
 class QwenModel(nn.Module):
@@ -101,11 +108,11 @@ class QwenModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary(positions)
         for layer in self.layers:
-            x = layer(rope, x, meta)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, meta)
+        return self.norm.add_and_norm(x, residual)[0]
 
 
 class Qwen2ForCausalLM(nn.Module):
