@@ -70,7 +70,7 @@ def test_every_linear_replaced(llms):
     model = llms[1].engine.core.model
     assert not any(type(m) is nn.Linear for m in model.modules())
     layers = model.config.num_hidden_layers
-    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 5 * layers + 1  # qkv o gate up down, head
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 4 * layers + 1  # qkv o gate_up down, head
 
 
 def test_tied_embedding_stays_float(tiny_qwen3):
@@ -89,7 +89,7 @@ def test_moe_router_stays_float():
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8))
     block = quantize_int8(SparseMoeBlock(cfg))
     assert type(block.gate) is nn.Linear  # expert choices stay those of float32
-    assert all(isinstance(m, Int8Linear) for e in block.experts for m in (e.gate_proj, e.up_proj, e.down_proj))
+    assert all(isinstance(m, Int8Linear) for e in block.experts for m in (e.gate_up_proj, e.down_proj))
 
 
 def test_int8_greedy_same_alone_and_batched(llms):

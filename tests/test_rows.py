@@ -1,4 +1,4 @@
-"""RMSNorm and rotary embedding: the native row kernels against the torch formulas they replace."""
+"""RMSNorm, rotary embedding, SwiGLU: the native row kernels against the torch formulas they replace."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from slotserve.kernels import rows
+from slotserve.layers.activation import silu_mul
 from slotserve.layers.norm import RMSNorm
 from slotserve.layers.rotary import apply_rotary
 
@@ -55,6 +56,25 @@ def test_add_and_norm_adds_the_residual_then_normalizes(shape, native, monkeypat
     torch.testing.assert_close(out, _norm_reference(total, norm.weight, 1e-6), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize(("tokens", "inner"), [(1, 4864), (70, 19), (3, 1)])
+def test_silu_mul_matches_reference(tokens, inner, native, monkeypatch):
+    if native and not rows.available():
+        pytest.skip("no C compiler with OpenMP here")
+    if not native:
+        monkeypatch.setattr(rows, "applies", lambda *t: False)
+    torch.manual_seed(0)
+    x = torch.randn(tokens, 2 * inner) * 4
+    x[0, :3] = torch.tensor([-200.0, 200.0, 0.0])[: min(3, inner)]  # exp's overflow and underflow
+    with torch.inference_mode():
+        out = silu_mul(x)
+    gate, up = x.double().chunk(2, dim=-1)
+    torch.testing.assert_close(out, (gate * torch.sigmoid(gate) * up).float(), rtol=1e-5, atol=1e-5)
+    if native:
+        with torch.inference_mode():
+            assert torch.equal(silu_mul(x[-1:]), out[-1:])  # a row's bits do not depend on the batch
+
+
 @needs_kernel
 @pytest.mark.parametrize(("tokens", "heads", "dim"), [(1, 14, 64), (33, 2, 64), (100, 3, 10), (70, 8, 128)])
 def test_rotary_matches_reference(tokens, heads, dim):
@@ -93,5 +113,7 @@ def test_row_kernels_reject_shapes_that_do_not_fit():
         rows.rms_norm(torch.randn(4, 16), torch.randn(15), 1e-6)
     with pytest.raises(ValueError, match="residual"):
         rows.rms_norm(torch.randn(4, 16), torch.randn(16), 1e-6, torch.randn(3, 16))
+    with pytest.raises(ValueError, match="silu_mul"):
+        rows.silu_mul(torch.randn(4, 7))
     with pytest.raises(ValueError, match="do not fit"):
         rows.rotary(torch.randn(4, 2, 16), torch.randn(4, 7), torch.randn(4, 7))

@@ -18,26 +18,6 @@
 
 #include "vector.h"
 
-/* exp(x) for x <= 0 (scores less their maximum), to ~1 ulp: 2^n * e^r with |r| <= ln2/2 and a degree-6
-   polynomial for e^r (Cephes' coefficients); 0 below -87, where e^x is under float's smallest normal. */
-static inline vf vexp(vf x) {
-    const vi low = x < splat(-87.0f); /* all ones where true */
-    x = (vf)(((vi)x & ~low) | ((vi)splat(-87.0f) & low));
-    const vf magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-    vf t = x * splat(1.44269504088896341f) + magic;
-    const vf n = t - magic;
-    vf r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
-    vf p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
-    p = p * r * r + r + splat(1.0f);
-    const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-    return (vf)((vi)(p * (vf)bits) & ~low);
-}
-
 static float dot(const float *a, const float *b, long n) {
     vf acc = {0};
     long d = 0;

@@ -1,5 +1,5 @@
 /* The per-row operations of a decoder layer, one call each where torch takes six to nine small ops:
-   RMSNorm (with the residual add before it) and rotary embedding. At batch 1 and in decode steps these tensors are a few KB, and the
+   RMSNorm (with the residual add before it), rotary embedding, and SwiGLU's silu(gate) * up. At batch 1 and in decode steps these tensors are a few KB, and the
    cost of each torch op is its dispatch; a prefill's rows are split over the threads.
 
    Row by row, so a row's result does not depend on the others in the batch. */
@@ -37,6 +37,30 @@ int slotserve_rms_norm(const float *x, float *residual, const float *weight, flo
         const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
         for (d = 0; d + VW <= dim; d += VW) store(o + d, load(xr + d) * splat(inv) * load(weight + d));
         for (; d < dim; d++) o[d] = xr[d] * inv * weight[d];
+    }
+    return 0;
+}
+
+/* out[r][i] = silu(x[r][i]) * x[r][inner + i] for x [rows][2 * inner] (a SwiGLU's gate and up
+   projections side by side): silu(g) = g * sigmoid(g), with sigmoid from e = exp(-|g|) so that exp never
+   overflows: 1 / (1 + e) for g >= 0, e / (1 + e) below. */
+int slotserve_silu_mul(const float *x, float *out, long rows, long inner, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= PARALLEL_ROWS)
+    for (long r = 0; r < rows; r++) {
+        const float *gate = x + r * 2 * inner, *up = gate + inner;
+        float *o = out + r * inner;
+        long i = 0;
+        for (; i + VW <= inner; i += VW) {
+            const vf g = load(gate + i);
+            const vi negative = g < splat(0.0f);
+            const vf e = vexp((vf)((vi)g | (vi)splat(-0.0f))); /* exp(-|g|): the sign bit set */
+            const vf numerator = (vf)(((vi)splat(1.0f) & ~negative) | ((vi)e & negative));
+            store(o + i, g * (numerator / (splat(1.0f) + e)) * load(up + i));
+        }
+        for (; i < inner; i++) {
+            const float g = gate[i], e = expf(-fabsf(g));
+            o[i] = g * ((g >= 0.0f ? 1.0f : e) / (1.0f + e)) * up[i];
+        }
     }
     return 0;
 }

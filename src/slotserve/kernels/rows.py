@@ -1,5 +1,5 @@
-"""RMSNorm (with the residual add before it) and rotary embedding in one native call each (rows.c), for
-CPU float32 tensors."""
+"""RMSNorm (with the residual add before it), rotary embedding and SwiGLU's silu(gate) * up in one native
+call each (rows.c), for CPU float32 tensors."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from slotserve.kernels import native
 
 SOURCE = Path(__file__).with_name("rows.c")
 _NORM_ARGS = (ctypes.c_void_p,) * 4 + (ctypes.c_long,) * 2 + (ctypes.c_float, ctypes.c_int)
+_SILU_MUL_ARGS = (ctypes.c_void_p,) * 2 + (ctypes.c_long,) * 2 + (ctypes.c_int,)
 _ROTARY_ARGS = (ctypes.c_void_p,) * 4 + (ctypes.c_long,) * 3 + (ctypes.c_int,)
 
 
@@ -36,6 +37,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out = torch.empty_like(x)
     norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
          x.numel() // dim, dim, eps, torch.get_num_threads())
+    return out
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x [rows, 2 * inner] holding gate then up: [rows, inner]."""
+    swiglu = native.require(native.function(SOURCE, "slotserve_silu_mul", _SILU_MUL_ARGS), SOURCE)
+    if x.dim() != 2 or x.shape[1] % 2:
+        raise ValueError(f"silu_mul: x {tuple(x.shape)} is not [rows, 2 * inner]")
+    rows, inner = x.shape[0], x.shape[1] // 2
+    out = torch.empty(rows, inner)
+    swiglu(x.data_ptr(), out.data_ptr(), rows, inner, torch.get_num_threads())
     return out
 
 

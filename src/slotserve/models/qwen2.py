@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slotserve.config import ModelConfig
+from slotserve.layers.activation import silu_mul
 from slotserve.layers.attention import Attention, AttentionMetadata
 from slotserve.layers.linear import Linear, MergedLinear
 from slotserve.layers.norm import RMSNorm
@@ -65,14 +66,12 @@ class QwenAttention(nn.Module):
 class QwenMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        # gate and up stay two tensors: each is large enough that a call's fixed cost is lost in it, and
-        # a MoE's experts (this module too) keep loading zero-copy from the memory-mapped checkpoint.
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, ("gate_proj", "up_proj"),
+                                         bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 def dense_mlp(cfg: ModelConfig, layer_idx: int) -> nn.Module:
