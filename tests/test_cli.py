@@ -73,6 +73,8 @@ def test_bench_throughput_and_attention_print_json(tiny_qwen3):
     kernels = json.loads(result.stdout.strip().splitlines()[-1])
     assert kernels["memory_read_GBps"] > 0 and kernels["decode_batch1"]["fraction_of_bound"] > 0
     assert kernels["decode_attention"] in ("paged", "batched") and isinstance(kernels["native_small_gemm"], bool)
+    assert isinstance(kernels["weights_in_huge_pages"], bool) and kernels["memory_read_torch_alloc_GBps"] > 0
+    assert kernels["prefill"]["gemm_bound_GFLOPs"] > 0 and kernels["decode_batched"]["gemm_bound_GFLOPs"] > 0
     result = run("bench", "kernels", "-m", str(tiny_qwen3), "--kv-cache-memory", "8M", "--prefill-len", "32",
                  "--batch", "4", "--context-len", "16", "--decode-steps", "2", "--repeats", "1",
                  "--quantization", "int8")
