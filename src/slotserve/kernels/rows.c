@@ -45,7 +45,8 @@ int slotserve_rms_norm(const float *x, float *residual, const float *weight, flo
    projections side by side): silu(g) = g * sigmoid(g), with sigmoid from e = exp(-|g|) so that exp never
    overflows: 1 / (1 + e) for g >= 0, e / (1 + e) below. */
 int slotserve_silu_mul(const float *x, float *out, long rows, long inner, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= PARALLEL_ROWS)
+    /* rows are long here (the MLP's inner width): split them once there is a norm's worth of work */
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * inner >= PARALLEL_ROWS * 1024)
     for (long r = 0; r < rows; r++) {
         const float *gate = x + r * 2 * inner, *up = gate + inner;
         float *o = out + r * inner;
