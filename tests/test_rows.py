@@ -87,6 +87,22 @@ def test_rotary_matches_reference(tokens, heads, dim):
 
 
 @needs_kernel
+def test_rotary_reads_a_column_slice_of_wider_rows():
+    """q and k rotated in place in a merged q/k/v row: the tokens lie a whole row apart."""
+    torch.manual_seed(0)
+    qkv = torch.randn(33, (14 + 2 + 2) * 64)
+    qk = qkv[:, : 16 * 64].view(33, 16, 64)
+    assert not qk.is_contiguous()
+    cos, sin = torch.randn(33, 1, 32), torch.randn(33, 1, 32)
+    with torch.inference_mode():
+        out = apply_rotary(qk, cos, sin)
+        assert out.is_contiguous() and torch.equal(out, apply_rotary(qk.contiguous(), cos, sin))
+    torch.testing.assert_close(out, _rotary_reference(qk, cos, sin), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="dense heads"):
+        rows.rotary(torch.randn(4, 16, 2).transpose(1, 2), torch.randn(4, 8), torch.randn(4, 8))
+
+
+@needs_kernel
 def test_a_row_gets_the_same_bits_in_any_batch():
     torch.manual_seed(0)
     norm = RMSNorm(896, 1e-6)

@@ -66,16 +66,17 @@ int slotserve_silu_mul(const float *x, float *out, long rows, long inner, int th
     return 0;
 }
 
-/* Rotates each head of x [tokens][heads][head_dim] into out, pairing element j with j + head_dim / 2,
-   by the token's cos and sin [tokens][head_dim / 2]. */
-int slotserve_rotary(const float *x, const float *cos, const float *sin, float *out, long tokens, long heads,
-                     long head_dim, int threads) {
+/* Rotates each head of x [tokens][heads][head_dim] into out (dense), pairing element j with j + head_dim / 2,
+   by the token's cos and sin [tokens][head_dim / 2]. x's tokens lie x_stride floats apart: it may be a
+   column slice of a wider row (q and k within a merged q/k/v projection's output). */
+int slotserve_rotary(const float *x, long x_stride, const float *cos, const float *sin, float *out, long tokens,
+                     long heads, long head_dim, int threads) {
     const long half = head_dim / 2;
 #pragma omp parallel for schedule(static) num_threads(threads) if (tokens >= PARALLEL_ROWS)
     for (long t = 0; t < tokens; t++) {
         const float *c = cos + t * half, *s = sin + t * half;
         for (long h = 0; h < heads; h++) {
-            const float *x1 = x + (t * heads + h) * head_dim, *x2 = x1 + half;
+            const float *x1 = x + t * x_stride + h * head_dim, *x2 = x1 + half;
             float *o1 = out + (t * heads + h) * head_dim, *o2 = o1 + half;
             long j = 0;
             for (; j + VW <= half; j += VW) {

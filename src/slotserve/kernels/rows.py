@@ -4,6 +4,7 @@ call each (rows.c), for CPU float32 tensors."""
 from __future__ import annotations
 
 import ctypes
+import math
 from pathlib import Path
 
 import torch
@@ -13,7 +14,7 @@ from slotserve.kernels import native
 SOURCE = Path(__file__).with_name("rows.c")
 _NORM_ARGS = (ctypes.c_void_p,) * 4 + (ctypes.c_long,) * 2 + (ctypes.c_float, ctypes.c_int)
 _SILU_MUL_ARGS = (ctypes.c_void_p,) * 2 + (ctypes.c_long,) * 2 + (ctypes.c_int,)
-_ROTARY_ARGS = (ctypes.c_void_p,) * 4 + (ctypes.c_long,) * 3 + (ctypes.c_int,)
+_ROTARY_ARGS = (ctypes.c_void_p, ctypes.c_long) + (ctypes.c_void_p,) * 3 + (ctypes.c_long,) * 3 + (ctypes.c_int,)
 
 
 def available() -> bool:
@@ -52,12 +53,20 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [tokens, heads, head_dim] rotated by cos, sin [tokens, head_dim / 2], pairing j with j + head_dim / 2."""
+    """x [tokens, heads, head_dim] rotated by cos, sin [tokens, head_dim / 2], pairing j with j + head_dim / 2;
+    x's heads must be dense within a token, its tokens any distance apart. The result is dense."""
     rotate = native.require(native.function(SOURCE, "slotserve_rotary", _ROTARY_ARGS), SOURCE)
     tokens, heads, head_dim = x.shape
     if head_dim % 2 or cos.shape != (tokens, head_dim // 2) or sin.shape != cos.shape:
         raise ValueError(f"rotary: x {tuple(x.shape)} and cos/sin {tuple(cos.shape)} do not fit together")
-    out = torch.empty_like(x)
-    rotate(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), tokens, heads, head_dim,
+    if not rows_dense(x) or not cos.is_contiguous() or not sin.is_contiguous():
+        raise ValueError("rotary: x needs dense heads within each token, cos and sin dense")
+    out = torch.empty(x.shape)
+    rotate(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), tokens, heads, head_dim,
            torch.get_num_threads())
     return out
+
+
+def rows_dense(x: torch.Tensor) -> bool:
+    """Whether each row (first dim) of x is dense in memory, rows any distance apart."""
+    return all(x.shape[d] == 1 or x.stride(d) == math.prod(x.shape[d + 1:]) for d in range(1, x.dim()))

@@ -42,24 +42,21 @@ class QwenAttention(nn.Module):
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_sizes = [self.q_size, self.kv_size, self.kv_size]  # (the module may become an Int8Linear)
-        self.qkv_proj = MergedLinear(cfg.hidden_size, self.qkv_sizes, ("q_proj", "k_proj", "v_proj"),
-                                     bias=cfg.attention_bias)
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                                     ("q_proj", "k_proj", "v_proj"), bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # Dense copies of the column slices (free for one row): the native row kernels take dense rows.
-        q, k, v = (t.contiguous() for t in self.qkv_proj(x).split(self.qkv_sizes, dim=-1))
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(-1, heads + kv_heads, head_dim)  # q's heads, then k's, side by side in each row
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = self.attn(q, k, v, meta)
+            qk = torch.cat((self.q_norm(qk[:, :heads].contiguous()), self.k_norm(qk[:, heads:].contiguous())), dim=1)
+        q, k = apply_rotary(qk, *rope).split([heads, kv_heads], dim=1)  # both rotated in one call
+        out = self.attn(q, k, v.view(-1, kv_heads, head_dim), meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
