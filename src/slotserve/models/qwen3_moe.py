@@ -4,9 +4,10 @@ Each sparse layer's router picks `num_experts_per_tok` of `num_experts` SwiGLU e
 sums their outputs weighted by the router's probabilities. Layers in `mlp_only_layers`, or off the
 `decoder_sparse_step` cadence, keep the dense MLP. Attention, norms and RoPE are Qwen3's (qwen2.py).
 
-Experts are separate modules named as in Hugging Face checkpoints (`mlp.experts.E.gate_proj.weight`),
-so every expert tensor loads zero-copy from the memory-mapped file like any dense weight. (That is
-also the layout transformers 5 writes with save_pretrained, though it stacks experts in memory.)
+Experts are separate modules, each the dense MLP, loaded from Hugging Face checkpoint names
+(`mlp.experts.E.gate_proj.weight`): down_proj zero-copy from the memory-mapped file, gate and up copied
+into the expert's merged gate/up projection. (That is also the layout transformers 5 writes with
+save_pretrained, though it stacks experts in memory.)
 """
 
 from __future__ import annotations
