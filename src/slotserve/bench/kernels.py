@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,55 +20,41 @@ import torch
 from torch import nn
 
 from slotserve import host_memory
+from slotserve.bench.timing import median_seconds, seconds
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.model_runner import ScheduledSeq
 from slotserve.layers.quantization import Int8Linear
 
-
-class Bandwidth:
-    """Bytes per second torch reads from DRAM: a sum over a buffer far larger than the caches, in huge
-    pages (where the engine keeps its weights) or in torch's own allocation (4 KB pages, unless the
-    system gives every allocation huge ones). Calling it times one pass."""
-
-    def __init__(self, nbytes: int = 1 << 30, huge_pages: bool = True) -> None:
-        if huge_pages and host_memory.enabled():
-            self.buf = host_memory.huge_page_bytes(nbytes).view(torch.float32).fill_(1.0)
-        else:
-            self.buf = torch.ones(nbytes // 4)
-        self.buf.sum()  # warm-up
-
-    def __call__(self) -> float:
-        start = time.perf_counter()
-        self.buf.sum()
-        return self.buf.nbytes / (time.perf_counter() - start)
+READ_BYTES = 1 << 30
+GEMM_SIZE = 2048
 
 
-class GemmRate:
-    """Sustained fp32 GEMM FLOP/s on a large square shape. Calling it times one product."""
-
-    def __init__(self, size: int = 2048) -> None:
-        self.a, self.b = torch.randn(size, size), torch.randn(size, size)
-        self.a @ self.b  # warm-up
-
-    def __call__(self) -> float:
-        start = time.perf_counter()
-        self.a @ self.b
-        return 2 * self.a.shape[0] ** 3 / (time.perf_counter() - start)
+def read_pass(huge_pages: bool = True) -> Callable[[], object]:
+    """One read of READ_BYTES from DRAM: a sum over a buffer far larger than the caches, in huge pages
+    (where the engine keeps its weights) or in torch's own allocation (4 KB pages, unless the system
+    gives every allocation huge ones)."""
+    if huge_pages and host_memory.enabled():
+        return host_memory.huge_page_bytes(READ_BYTES).view(torch.float32).fill_(1.0).sum
+    return torch.ones(READ_BYTES // 4).sum
 
 
-def interleaved(limit: Callable[[], float], work: Callable[[], object], repeats: int) -> tuple[float, float]:
-    """(median of the limit, median seconds of the work), sampled in turns: on a shared machine whose
-    speed drifts by 1.5x within minutes, a bound taken minutes away from its figure says little. Each
-    turn's limit is the best of three passes: the first pass after engine work runs 10-30 % slow here."""
+def gemm_pass() -> Callable[[], object]:
+    """One fp32 GEMM of GEMM_SIZE squared: the sustained rate of a large shape."""
+    a, b = torch.randn(GEMM_SIZE, GEMM_SIZE), torch.randn(GEMM_SIZE, GEMM_SIZE)
+    return lambda: a @ b
+
+
+def interleaved(limit: Callable[[], object], work: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """(median seconds of the limit, median seconds of the work), sampled in turns: on a shared machine
+    whose speed drifts by 1.5x within minutes, a bound taken minutes away from its figure says little.
+    Each turn's limit is the best of three passes: the first pass after engine work runs 10-30 % slow here."""
     work()  # warm-up
-    limits, seconds = [], []
+    limits, times = [], []
     for _ in range(repeats):
-        limits.append(max(limit() for _ in range(3)))
-        start = time.perf_counter()
-        work()
-        seconds.append(time.perf_counter() - start)
-    limits.append(max(limit() for _ in range(3)))
-    return statistics.median(limits), statistics.median(seconds)
+        limits.append(min(seconds(limit) for _ in range(3)))
+        times.append(seconds(work))
+    limits.append(min(seconds(limit) for _ in range(3)))
+    return statistics.median(limits), statistics.median(times)
 
 
 def decode_step(engine: LLMEngine, batch: int, context_len: int,
@@ -108,8 +93,8 @@ def _linear_params(model: nn.Module) -> tuple[int, int, int]:
 def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
     core, cfg, runner = engine.core, engine.model_config, engine.runner
     rng = random.Random(0)
-    read_rate, gemm_rate = Bandwidth(), GemmRate()
-    bandwidth_4k = statistics.median(Bandwidth(huge_pages=False)() for _ in range(3))
+    read, gemm = read_pass(), gemm_pass()
+    bandwidth_4k = READ_BYTES / median_seconds(read_pass(huge_pages=False), 3)
     body, head, weight_bytes = _linear_params(core.model)
     kv_per_token = runner.cache_bytes_per_token(cfg, core.dtype)
 
@@ -127,7 +112,7 @@ def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
         # Prefill: one prompt, logits for its last token only.
         table = blocks(args.prefill_len)
         prompt = ids(args.prefill_len)
-        prefill_gemm, prefill_s = interleaved(gemm_rate, lambda: runner.execute([ScheduledSeq(prompt, 0, table)]),
+        prefill_gemm_s, prefill_s = interleaved(gemm, lambda: runner.execute([ScheduledSeq(prompt, 0, table)]),
                                               args.repeats)
         prefill_flops = 2 * body * args.prefill_len + 2 * head + attention_flops(args.prefill_len,
                                                                                  args.prefill_len / 2)
@@ -143,17 +128,20 @@ def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
                 pos = 15 + len(tokens)
                 tokens.append(int(runner.execute([ScheduledSeq(tokens[-1:], pos, table)])[0][0].argmax()))
 
-        bandwidth, decode_round_s = interleaved(read_rate, decode_round, rounds)
+        read_s, decode_round_s = interleaved(read, decode_round, rounds)
         decode_s = decode_round_s / args.decode_steps
         engine.kv.pool.free(table)
         decode_bytes = weight_bytes + kv_per_token * (16 + args.decode_steps * (rounds + 1) // 2)
 
         # Batched decode: `batch` sequences of `context_len` tokens, one new token each.
         step, release = decode_step(engine, args.batch, args.context_len)
-        batched_gemm, batched_s = interleaved(gemm_rate, step, args.repeats)
+        batched_gemm_s, batched_s = interleaved(gemm, step, args.repeats)
         batched_flops = args.batch * (2 * (body + head)) + attention_flops(args.batch, args.context_len)
         release()
 
+    gemm_flops = 2 * GEMM_SIZE**3
+    prefill_gemm, batched_gemm = gemm_flops / prefill_gemm_s, gemm_flops / batched_gemm_s
+    bandwidth = READ_BYTES / read_s
     decode_bound = bandwidth / decode_bytes
     return {
         "bench": "kernels", "model": engine.config.model, "device": str(core.device),

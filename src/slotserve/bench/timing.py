@@ -7,12 +7,14 @@ import time
 from collections.abc import Callable
 
 
+def seconds(fn: Callable[[], object]) -> float:
+    """Wall time of one call."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
     """Median wall time of `repeats` calls after one warm-up call (threads started, caches filled)."""
     fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(seconds(fn) for _ in range(repeats))

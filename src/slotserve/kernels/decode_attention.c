@@ -2,11 +2,11 @@
 
    torch's path copies every sequence's keys and values out of their blocks into one padded batch and
    then runs SDPA over it, whose kernel handles a one-row query per (sequence, head) poorly. Here each
-   (sequence, kv head) pair is one task that walks the sequence's block table and reads the cache in
-   place: the scores of the kv head's whole query group (GQA) against each key, a softmax, then the
-   weighted sum of the values. Keys are visited in position order whatever blocks hold them, and each
-   task depends only on its own sequence, so a row's result is bitwise the same alone or batched, with
-   its blocks consecutive or scattered.
+   sequence is one task (or, with too few sequences for the threads, each of its kv heads) that walks
+   its block table and reads the cache in place: for every kv head, the scores of its whole query group
+   (GQA) against each key, a softmax, then the weighted sum of the values. Keys are visited in position
+   order whatever blocks hold them, and a head's arithmetic is the same however the tasks are cut, so a
+   row's result is bitwise the same alone or batched, with its blocks consecutive or scattered.
 
    Layouts: q and out [tokens][heads][head_dim]; caches [slots][kv_heads][head_dim] with slot =
    block * block_size + offset; block_tables [seqs][table_width] (int32); lens [seqs] (int32, keys to
