@@ -17,6 +17,7 @@ from slotserve.layers.attention import (
     gather_max_tokens,
     paged_decode_available,
 )
+from slotserve.models.fused_decode import FusedDecode
 
 
 @dataclass
@@ -63,11 +64,20 @@ class ModelRunner:
         layers = [m for m in model.modules() if isinstance(m, Attention)]
         for i, attn in enumerate(layers):
             attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
+        # Decode steps of a dense Qwen model through one native call (models/fused_decode.py), where it runs.
+        self.fused = FusedDecode.bind(model) if self.decode_mode == "paged" and cpu_fp32 else None
 
     @staticmethod
     def cache_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
         elem = torch.empty(0, dtype=dtype).element_size()
         return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
+
+    def _fused_for(self, meta: AttentionMetadata, tokens: int) -> FusedDecode | None:
+        if self.fused is None or not self.fused.applies(meta, tokens):
+            return None
+        if not self.fused.current():
+            self.fused = FusedDecode.bind(self.model)
+        return self.fused
 
     @torch.inference_mode()
     def execute(self, seqs: list[ScheduledSeq]) -> list[torch.Tensor | None]:
@@ -101,7 +111,8 @@ class ModelRunner:
             gather_limit=self.gather_limit,
             workspace=self.workspace,
         )
-        hidden = self.model(as_tensor(input_ids), as_tensor(positions), meta)
+        fused = self._fused_for(meta, len(input_ids))
+        hidden = (fused or self.model)(as_tensor(input_ids), as_tensor(positions), meta)
         wanted = [i for r, seq in zip(rows, seqs, strict=True) if seq.logits != "hidden" for i in r]
         logits = self.model.compute_logits(hidden[as_tensor(wanted)]) if wanted else None
         out: list[torch.Tensor | None] = []

@@ -1,11 +1,11 @@
 """C kernels shipped as source: compiled once per machine with the system C compiler, loaded with ctypes.
 
 No build step at install time and no torch headers: a kernel is one plain C file (plus the shared
-vector.h), built on first use with `-march=native` into `$SLOTSERVE_CACHE/kernels/<hash>/` (the hash
-covers the sources, the flags, the compiler and the CPU, so a shared home directory never hands one
-machine another's build) and loaded from there afterwards. OpenMP regions in a kernel run on the OpenMP
-runtime torch has already loaded (`libgomp.so.1` is matched by its soname), so a kernel and torch's own
-ops share one set of threads.
+vector.h; a file may include other kernels'), built on first use with `-march=native` into
+`$SLOTSERVE_CACHE/kernels/<hash>/` (the hash covers the sources, the flags, the compiler and the CPU, so
+a shared home directory never hands one machine another's build) and loaded from there afterwards. OpenMP
+regions in a kernel run on the OpenMP runtime torch has already loaded (`libgomp.so.1` is matched by its
+soname), so a kernel and torch's own ops share one set of threads.
 
 Where no compiler or OpenMP is at hand (or `SLOTSERVE_NATIVE_KERNELS=0`), `load` answers None and the
 caller keeps its torch path.
@@ -77,8 +77,8 @@ def load(source: Path) -> ctypes.CDLL | None:
     if not enabled():
         return None
     try:
-        headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the source may include
-        key = hashlib.sha256("\0".join([source.read_text(), *headers, *FLAGS, _machine()]).encode())
+        siblings = [f.read_text() for f in sorted(source.parent.glob("*.[ch]"))]  # what the source may include
+        key = hashlib.sha256("\0".join([source.read_text(), *siblings, *FLAGS, _machine()]).encode())
         target = cache_dir() / "kernels" / key.hexdigest()[:16] / f"{source.stem}.so"
         if not target.exists():
             log.info("compiling %s for this machine", source.name)

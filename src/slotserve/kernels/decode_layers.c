@@ -1,0 +1,92 @@
+/* A decode step's decoder layers in one call: the Qwen2/Qwen3 dense layer of models/qwen2.py, run with
+   the same kernels in the same order, so every row gets the same bits as the layer-by-layer path.
+
+   Why: at batch 1 the weights stream at the machine's read rate, and what is left is the Python and
+   dispatch between the kernels, ~10 calls per layer. Each of them runs after a multi-MB weight stream
+   has pushed the interpreter's data out of the caches, at 2.5-5x its warm cost. Here the 24 layers cost
+   one call, and what remains between two weight streams is a few microseconds of C.
+
+   Per layer, for tokens decode rows (one new token each, tokens <= 64: the small GEMM's rows):
+     normed = rms_norm(residual += x)          (layer 0: residual = x, normed = rms_norm(x))
+     qkv = normed @ Wqkv^T + b;  [Qwen3: rms_norm over each q and k head]
+     q, k = rotary(q), rotary(k);  cache[slot] = k, v
+     attn = decode_attention(q, cache);  x = attn @ Wo^T
+     normed = rms_norm(residual += x);  x = down(silu(gate) * up)
+   x and residual come back as the last layer leaves them; the final norm is the caller's. */
+
+#include "decode_attention.c"
+#include "rows.c"
+#include "small_gemm.c"
+
+/* One layer's weights (row-major, float32) and its KV cache ([slots][kv_heads][head_dim]). */
+typedef struct {
+    const float *input_norm, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *post_norm, *gate_up, *down;
+    float *k_cache, *v_cache;
+} slotserve_layer;
+
+/* The step: shapes, the rows' rotary tables and cache slots, the attention's paged tables (as for
+   slotserve_decode_attention) and the scratch it may use (slotserve_decode_scratch floats). */
+typedef struct {
+    long tokens, hidden, intermediate, heads, kv_heads, head_dim, num_slots; /* num_slots: each cache's */
+    float eps, scale;
+    const float *cos, *sin; /* [tokens][head_dim / 2] */
+    const long *slots;      /* [tokens] */
+    const long *rows;
+    const int *block_tables, *lens;
+    long seqs, table_width, block_size;
+    float *scratch;
+    int threads;
+} slotserve_decode_step;
+
+int slotserve_decode_scratch(long tokens, long hidden, long intermediate, long heads, long kv_heads,
+                              long head_dim) {
+    const long q = heads * head_dim, kv = kv_heads * head_dim;
+    /* normed, qkv, q, k, attn, o, gate_up, act */
+    return tokens * (hidden + (q + 2 * kv) + q + kv + q + hidden + 2 * intermediate + intermediate);
+}
+
+/* Returns 0; -1 when a kernel's scratch memory could not be allocated, -2 when a slot is outside the cache
+   (checked before anything is written). */
+int slotserve_decode_layers(const slotserve_layer *layers, long num_layers, const slotserve_decode_step *s,
+                            float *x, float *residual) {
+    for (long t = 0; t < s->tokens; t++)
+        if (s->slots[t] < 0 || s->slots[t] >= s->num_slots) return -2;
+    const long T = s->tokens, H = s->hidden, I = s->intermediate, hd = s->head_dim;
+    const long q_size = s->heads * hd, kv_size = s->kv_heads * hd, qkv_n = q_size + 2 * kv_size;
+    const int threads = s->threads;
+    float *normed = s->scratch, *qkv = normed + T * H, *q = qkv + T * qkv_n, *k = q + T * q_size;
+    float *attn = k + T * kv_size, *o = attn + T * q_size, *gate_up = o + T * H, *act = gate_up + T * 2 * I;
+    for (long i = 0; i < num_layers; i++) {
+        const slotserve_layer *L = layers + i;
+        if (i == 0) {
+            memcpy(residual, x, (size_t)(T * H) * sizeof(float));
+            slotserve_rms_norm(x, NULL, L->input_norm, normed, T, H, s->eps, threads);
+        } else {
+            slotserve_rms_norm(x, residual, L->input_norm, normed, T, H, s->eps, threads);
+        }
+        if (slotserve_small_gemm(normed, L->qkv, L->qkv_bias, qkv, T, qkv_n, H, threads)) return -1;
+        if (L->q_norm)
+            for (long t = 0; t < T; t++) {
+                float *row = qkv + t * qkv_n;
+                slotserve_rms_norm(row, NULL, L->q_norm, row, s->heads, hd, s->eps, 1);
+                slotserve_rms_norm(row + q_size, NULL, L->k_norm, row + q_size, s->kv_heads, hd, s->eps, 1);
+            }
+        slotserve_rotary(qkv, qkv_n, s->cos, s->sin, q, T, s->heads, hd, threads);
+        slotserve_rotary(qkv + q_size, qkv_n, s->cos, s->sin, k, T, s->kv_heads, hd, threads);
+        for (long t = 0; t < T; t++) {
+            memcpy(L->k_cache + s->slots[t] * kv_size, k + t * kv_size, (size_t)kv_size * sizeof(float));
+            memcpy(L->v_cache + s->slots[t] * kv_size, qkv + t * qkv_n + q_size + kv_size,
+                   (size_t)kv_size * sizeof(float));
+        }
+        if (slotserve_decode_attention(q, attn, s->rows, L->k_cache, L->v_cache, s->block_tables, s->table_width,
+                                       s->lens, s->seqs, s->heads, s->kv_heads, hd, s->block_size, s->scale,
+                                       threads))
+            return -1;
+        if (slotserve_small_gemm(attn, L->o, NULL, o, T, H, q_size, threads)) return -1;
+        slotserve_rms_norm(o, residual, L->post_norm, normed, T, H, s->eps, threads);
+        if (slotserve_small_gemm(normed, L->gate_up, NULL, gate_up, T, 2 * I, H, threads)) return -1;
+        slotserve_silu_mul(gate_up, act, T, I, threads);
+        if (slotserve_small_gemm(act, L->down, NULL, x, T, H, I, threads)) return -1;
+    }
+    return 0;
+}

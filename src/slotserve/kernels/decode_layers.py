@@ -1,0 +1,54 @@
+"""A decode step's Qwen decoder layers in one native call (decode_layers.c), called from Python.
+
+The structures mirror the C ones field for field; `models/fused_decode.py` fills them from a model."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+from slotserve.kernels import native
+
+SOURCE = Path(__file__).with_name("decode_layers.c")
+_ARGS = (ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+_SCRATCH_ARGS = (ctypes.c_long,) * 6
+
+
+class Layer(ctypes.Structure):
+    """One layer's weights and KV cache, as data pointers (NULL: no bias, no q/k norm)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm", "gate_up", "down", "k_cache",
+        "v_cache")]
+
+
+class Step(ctypes.Structure):
+    """One decode step: shapes, per-row rotary tables and cache slots, the attention's paged tables."""
+
+    _fields_ = ([(name, ctypes.c_long) for name in ("tokens", "hidden", "intermediate", "heads", "kv_heads",
+                                                   "head_dim", "num_slots")]
+                + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                + [(name, ctypes.c_void_p) for name in ("cos", "sin", "slots", "rows", "block_tables", "lens")]
+                + [(name, ctypes.c_long) for name in ("seqs", "table_width", "block_size")]
+                + [("scratch", ctypes.c_void_p), ("threads", ctypes.c_int)])
+
+
+def available() -> bool:
+    return native.function(SOURCE, "slotserve_decode_layers", _ARGS) is not None
+
+
+def scratch_floats(tokens: int, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int) -> int:
+    """Floats of scratch a step of `tokens` rows needs."""
+    scratch = native.require(native.function(SOURCE, "slotserve_decode_scratch", _SCRATCH_ARGS), SOURCE)
+    return scratch(tokens, hidden, intermediate, heads, kv_heads, head_dim)
+
+
+def decode_layers(layers: ctypes.Array, step: Step, x: int, residual: int) -> None:
+    """Runs every layer over x (data pointer, [tokens, hidden], overwritten by the last layer's output),
+    with residual ([tokens, hidden]) as the residual stream."""
+    run = native.require(native.function(SOURCE, "slotserve_decode_layers", _ARGS), SOURCE)
+    status = run(ctypes.addressof(layers), len(layers), ctypes.addressof(step), x, residual)
+    if status == -2:
+        raise ValueError("decode_layers: a cache slot is out of range for the KV cache")
+    if status:
+        raise MemoryError("decode_layers: no memory for a kernel's scratch buffer")

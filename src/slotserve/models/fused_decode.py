@@ -1,0 +1,108 @@
+"""A CPU decode step of a dense Qwen model with its decoder layers in one native call.
+
+qwen2.py is the model; this is how its decode steps run on a CPU in float32 where the native kernels are
+built. At batch 1 the GEMMs already stream the weights at the machine's read rate, and the rest of a
+token's time was ~10 Python-level calls per layer between them, each run in caches the last weight stream
+had flushed (2.5-5x its warm cost). kernels/decode_layers.c runs all the layers with the same kernels in
+the same order, so a row gets exactly the bits the layer-by-layer path gives it (a test checks).
+
+It takes a step only when every row is a decode row read through the paged kernel (`PagedTables`) and
+there are at most 64 rows (the small GEMM's); models it cannot run (MoE layers, int8 linears, weights
+outside the CPU or not float32) keep the layer-by-layer path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from slotserve.kernels import decode_layers
+from slotserve.kernels.decode_attention import PagedTables
+from slotserve.layers.attention import AttentionMetadata
+from slotserve.layers.linear import NATIVE_ROWS, Linear
+from slotserve.models.qwen2 import QwenDecoderLayer, QwenMLP, QwenModel
+
+MAX_TOKENS = NATIVE_ROWS.stop - 1
+
+
+def _layer_tensors(layer: QwenDecoderLayer) -> list[torch.Tensor | None]:
+    """The tensors decode_layers.c reads for this layer, in `Layer`'s field order (None: absent)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
+            None if attn.q_norm is None else attn.q_norm.weight, None if attn.k_norm is None else attn.k_norm.weight,
+            attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+            attn.attn.k_cache, attn.attn.v_cache]
+
+
+def _runnable(layer: QwenDecoderLayer) -> bool:
+    """Whether the kernel computes this layer as qwen2.py does: a dense MLP, float32 linears without the
+    biases it has no place for, one eps for every norm, and everything dense on the CPU."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(mlp) is not QwenMLP:
+        return False
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if not all(isinstance(m, Linear) for m in linears) or any(m.bias is not None for m in linears[1:]):
+        return False
+    norms = (layer.input_layernorm, attn.q_norm, attn.k_norm, layer.post_attention_layernorm)
+    return len({n.eps for n in norms if n is not None}) == 1 and all(
+        t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and t.numel() > 0)
+        for t in _layer_tensors(layer))
+
+
+class FusedDecode:
+    """The decode steps of one bound model. Built by `bind`; `applies` says whether a step can run here."""
+
+    def __init__(self, model: QwenModel, tensors: list[list[torch.Tensor | None]]) -> None:
+        self.model = model
+        # Held as well as pointed to (the kernel reads raw pointers), and compared on every step: a layer
+        # whose weights or caches were replaced since (a reload, a quantization) rebinds.
+        self.tensors = tensors
+        self.layers = (decode_layers.Layer * len(tensors))(*(
+            decode_layers.Layer(*(None if t is None else t.data_ptr() for t in ts)) for ts in tensors))
+        first = model.layers[0].self_attn
+        self.heads, self.kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        self.hidden = model.norm.weight.shape[0]
+        self.intermediate = model.layers[0].mlp.down_proj.in_features
+        self.eps, self.scale = model.layers[0].input_layernorm.eps, first.attn.scale
+        self.num_slots = first.attn.k_cache.shape[0]
+        self.scratch = torch.empty(decode_layers.scratch_floats(
+            MAX_TOKENS, self.hidden, self.intermediate, self.heads, self.kv_heads, self.head_dim))
+
+    @classmethod
+    def bind(cls, model: nn.Module) -> FusedDecode | None:
+        """For a dense Qwen model (Qwen2ForCausalLM and kin: `model.model` a QwenModel) whose layers the
+        kernel can run, with the KV caches attached; None otherwise."""
+        inner = getattr(model, "model", None)
+        if not isinstance(inner, QwenModel) or not inner.layers or not decode_layers.available():
+            return None
+        if not all(_runnable(layer) for layer in inner.layers):
+            return None
+        return cls(inner, [_layer_tensors(layer) for layer in inner.layers])
+
+    def current(self) -> bool:
+        """Whether the model still holds the tensors bound (identity only: a step's worth of checking)."""
+        return all(a is b for layer, bound in zip(self.model.layers, self.tensors, strict=True)
+                   for a, b in zip(_layer_tensors(layer), bound, strict=True))
+
+    def applies(self, meta: AttentionMetadata, tokens: int) -> bool:
+        """Whether this step is one the kernel runs: decode rows only, all read by the paged kernel."""
+        return (isinstance(meta.decode, PagedTables) and 0 < tokens <= MAX_TOKENS
+                and all(c is None for c in meta.context) and not torch.is_grad_enabled())
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The final hidden states [tokens, hidden] of a step `applies` accepted."""
+        tables = meta.decode
+        if tables.blocks_needed > self.num_slots // meta.block_size or tables.rows_needed > len(input_ids):
+            raise ValueError("decode_layers: lens, block_tables or rows out of range for the cache or the batch")
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary(positions)
+        cos, sin = cos.reshape(len(input_ids), -1).contiguous(), sin.reshape(len(input_ids), -1).contiguous()
+        slots = meta.slot_mapping.contiguous()
+        residual = torch.empty_like(x)
+        step = decode_layers.Step(
+            len(input_ids), self.hidden, self.intermediate, self.heads, self.kv_heads, self.head_dim, self.num_slots,
+            self.eps, self.scale, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.rows.data_ptr(),
+            tables.block_tables.data_ptr(), tables.lens.data_ptr(), tables.rows.shape[0],
+            tables.block_tables.shape[1], meta.block_size, self.scratch.data_ptr(), torch.get_num_threads())
+        decode_layers.decode_layers(self.layers, step, x.data_ptr(), residual.data_ptr())
+        return self.model.norm.add_and_norm(x, residual)[0]

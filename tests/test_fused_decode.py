@@ -1,0 +1,103 @@
+"""The fused CPU decode step (models/fused_decode.py): which steps and models take it, and that it gives
+the layer-by-layer path's exact bits and cache contents. (Its agreement with transformers is
+test_model_parity's: those decode steps run fused.)"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
+from slotserve.kernels import decode_layers
+from slotserve.layers.attention import AttentionMetadata
+from slotserve.layers.quantization import quantize_int8
+from slotserve.models.fused_decode import FusedDecode
+from slotserve.models.loader import load_model
+
+pytestmark = pytest.mark.skipif(not decode_layers.available(), reason="native kernels not built here")
+
+BLOCK = 4
+
+
+def _runners(path) -> tuple[ModelRunner, ModelRunner]:
+    """Two runners over two loads of one checkpoint: the first fused, the second layer by layer."""
+    fused, layers = (ModelRunner(*load_model(path, torch.float32, torch.device("cpu")), num_blocks=48,
+                                 block_size=BLOCK) for _ in range(2))
+    assert fused.fused is not None
+    layers.fused = None
+    return fused, layers
+
+
+def _scattered_tables(lengths: list[int], rng: random.Random) -> list[list[int]]:
+    blocks = list(range(48))
+    rng.shuffle(blocks)
+    tables, start = [], 0
+    for n in lengths:
+        count = -(-n // BLOCK)
+        tables.append(blocks[start:start + count])
+        start += count
+    return tables
+
+
+@pytest.mark.parametrize("arch", ["tiny_qwen2", "tiny_qwen3"])  # q/k/v bias; q/k norm and head_dim 32
+def test_decode_steps_match_the_layer_path_bitwise(arch, request):
+    fused, layers = _runners(request.getfixturevalue(arch))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 150_000) for _ in range(n)] for n in (3, 9, 17)]
+    tables = _scattered_tables([len(p) + 6 for p in prompts], rng)
+    for runner in (fused, layers):
+        runner.execute([ScheduledSeq(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
+    tokens = [[7], [8], [9]]
+    for step in range(6):
+        seqs = [ScheduledSeq(tok, len(p) + step, t) for tok, p, t in zip(tokens, prompts, tables, strict=True)]
+        if step == 3:
+            seqs = seqs[1:2]  # a step of one sequence too
+        a, b = fused.execute(seqs), layers.execute(seqs)
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+        tokens = [[int(x[0].argmax())] for x in a] if step != 3 else tokens
+    assert torch.equal(fused.k_cache, layers.k_cache) and torch.equal(fused.v_cache, layers.v_cache)
+
+
+def test_prefill_and_mixed_steps_keep_the_layer_path(tiny_qwen2, monkeypatch):
+    fused, _ = _runners(tiny_qwen2)
+    calls = []
+    monkeypatch.setattr(FusedDecode, "__call__", lambda self, *a: calls.append(a) or pytest.fail("fused"))
+    fused.execute([ScheduledSeq([5, 6, 7], 0, [0, 1])])
+    fused.execute([ScheduledSeq([8], 3, [0, 1]), ScheduledSeq([5, 6], 0, [2])])  # one decode, one prefill
+    assert not calls
+
+
+def test_models_it_cannot_run_keep_the_layer_path(tiny_qwen2):
+    model, cfg = load_model(tiny_qwen2, torch.float32, torch.device("cpu"))
+    assert ModelRunner(quantize_int8(model), cfg, num_blocks=8, block_size=BLOCK).fused is None
+    model, cfg = load_model(tiny_qwen2, torch.float32, torch.device("cpu"))
+    model.model.layers[1].mlp = nn.Identity()  # not a dense Qwen MLP (an MoE block, say)
+    assert ModelRunner(model, cfg, num_blocks=8, block_size=BLOCK).fused is None
+    assert FusedDecode.bind(nn.Linear(2, 2)) is None
+
+
+def test_replaced_weights_are_rebound(tiny_qwen2):
+    fused, layers = _runners(tiny_qwen2)
+    table = [3, 1]
+    for runner in (fused, layers):
+        runner.execute([ScheduledSeq([5, 6, 7], 0, table)])
+    weight = torch.randn_like(fused.model.model.layers[1].self_attn.o_proj.weight)
+    for runner in (fused, layers):
+        runner.model.model.layers[1].self_attn.o_proj.weight = nn.Parameter(weight.clone())
+    bound = fused.fused
+    a, b = fused.execute([ScheduledSeq([8], 3, table)]), layers.execute([ScheduledSeq([8], 3, table)])
+    assert fused.fused is not bound and fused.fused.tensors[1][5] is fused.model.model.layers[1].self_attn.o_proj.weight
+    assert torch.equal(a[0], b[0])
+
+
+def test_a_slot_outside_the_cache_is_refused_before_any_write(tiny_qwen2):
+    fused, _ = _runners(tiny_qwen2)
+    fused.execute([ScheduledSeq([5, 6, 7], 0, [0])])
+    before = fused.k_cache.clone()
+    meta = AttentionMetadata.build([1], [4], torch.tensor([48 * BLOCK]), [[0]], BLOCK, decode_mode="paged")
+    with pytest.raises(ValueError, match="slot"), torch.inference_mode():
+        fused.fused(torch.tensor([8]), torch.tensor([3]), meta)
+    assert torch.equal(fused.k_cache, before)
