@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
+from slotserve.layers import attention
+from slotserve.models import qwen2
 from slotserve.models.loader import load_model
 from tests.conftest import build_tiny_model
 
@@ -25,15 +27,15 @@ def _cache_kwarg(hf_model) -> str:
     return "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
 
 
-def _check_prefill_and_decode(hf_model, runner, block_table, steps=16):
-    ids = torch.tensor([PROMPT])
+def _check_prefill_and_decode(hf_model, runner, block_table, steps=16, prompt=PROMPT):
+    ids = torch.tensor([prompt])
     with torch.no_grad():
         ref = hf_model(ids, use_cache=True)
-    ours = runner.execute([ScheduledSeq(PROMPT, 0, block_table, logits="all")])[0]
+    ours = runner.execute([ScheduledSeq(prompt, 0, block_table, logits="all")])[0]
     assert (ours - ref.logits[0]).abs().max().item() <= TOL
 
     past, token = ref.past_key_values, int(ref.logits[0, -1].argmax())
-    pos = len(PROMPT)
+    pos = len(prompt)
     for _ in range(steps):
         with torch.no_grad():
             ref = hf_model(torch.tensor([[token]]), use_cache=True, **{_cache_kwarg(hf_model): past})
@@ -47,6 +49,16 @@ def _check_prefill_and_decode(hf_model, runner, block_table, steps=16):
 def test_prefill_and_decode_match_transformers(tmp_path, arch, tie):
     hf = build_tiny_model(tmp_path, arch, tie=tie)
     _check_prefill_and_decode(hf, _runner(tmp_path), block_table=list(range(8)))
+
+
+def test_pieces_of_a_long_prefill_match_transformers(tmp_path, monkeypatch):
+    """A prompt longer than the attention's query pieces and the MLP's row pieces (both shrunk here), and
+    than a few key alignments, so a piece that saw too few keys would show."""
+    monkeypatch.setattr(attention, "QUERY_PIECE", 5)
+    monkeypatch.setattr(qwen2, "MLP_ROWS", 7)
+    hf = build_tiny_model(tmp_path, "qwen2")
+    _check_prefill_and_decode(hf, _runner(tmp_path), block_table=[9, 2, 14, 5, 0, 11, 7, 3, 1, 12, 4, 6],
+                              steps=4, prompt=PROMPT * 3)
 
 
 def test_scattered_blocks_match_transformers(tmp_path):

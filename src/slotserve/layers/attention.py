@@ -18,7 +18,7 @@ paged kernel would slot in behind the same `AttentionMetadata`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,10 @@ DECODE_MODES = ("paged", "batched", "per_seq")
 # or padded into a batch with longer ones: what keeps results batch-invariant where rounding would
 # magnify a last-bit difference (int8).
 KEY_ALIGN = 16
+# On the CPU a chunk's query rows are attended in pieces of this many, each over only the keys its last
+# row sees: torch's kernel masks but does not skip, so one call computes the whole square of a causal
+# triangle. A 512-token prompt's attention took 3.5 instead of 5.3 ms per layer here (128: 3.9 ms).
+QUERY_PIECE = 64
 
 
 class GatherWorkspace:
@@ -74,6 +78,7 @@ class AttentionMetadata:
     decode: DecodeBatch | PagedTables | None = None  # PagedTables: the native kernel's
     workspace: GatherWorkspace | None = None
     block_size: int = 0
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)  # per sequence, built by its first layer
 
     @property
     def num_seqs(self) -> int:
@@ -127,6 +132,16 @@ def gather_max_tokens(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> i
 def padded_len(length: int) -> int:
     """The key count a sequence of `length` tokens is attended with: the next multiple of KEY_ALIGN."""
     return -(-length // KEY_ALIGN) * KEY_ALIGN
+
+
+def causal_mask(queries: int, seq_len: int, keys: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The additive mask [queries, keys] of a sequence's last `queries` rows of `seq_len`: 0 where a row
+    sees a key, -inf past it (its future, the padding). Always explicit, never is_causal: the two take
+    different kernel paths, and a prompt must give the same bits however it is batched. Additive rather
+    than boolean: SDPA turns a boolean mask into this one on every call, here built once per step."""
+    positions = torch.arange(seq_len - queries, seq_len, device=device)[:, None]
+    hidden = torch.arange(keys, device=device)[None, :] > positions
+    return torch.zeros(queries, keys, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
 
 
 def _consecutive_start(blocks: list[int], length: int, block_size: int) -> int | None:
@@ -187,7 +202,14 @@ class Attention(nn.Module):
                 continue
             start, end = meta.query_start[i], meta.query_start[i + 1]
             keys, values = self._read(slots, meta.workspace)
-            out[start:end] = self._attend(q[start:end], keys, values, meta.seq_lens[i])
+            if i not in meta.masks:
+                meta.masks[i] = causal_mask(end - start, meta.seq_lens[i], keys.shape[0], q.dtype, q.device)
+            piece = QUERY_PIECE if q.device.type == "cpu" else end - start
+            for first in range(0, end - start, piece):
+                last = min(first + piece, end - start)  # rows first..last-1 of the chunk
+                width = padded_len(meta.seq_lens[i] - (end - start) + last)  # the keys its last row sees
+                out[start + first:start + last] = self._attend(q[start + first:start + last], keys[:width],
+                                                               values[:width], meta.masks[i][first:last, :width])
         if isinstance(meta.decode, PagedTables):
             decode_attention.decode_attention(q.contiguous(), out, self.k_cache, self.v_cache, meta.decode,
                                               meta.block_size, self.scale)
@@ -203,12 +225,8 @@ class Attention(nn.Module):
         torch.index_select(self.v_cache, 0, slots, out=values)
         return keys, values
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int) -> torch.Tensor:
-        """One sequence's query rows (the last len(q) of its seq_len tokens) over its padded keys."""
-        # Always an explicit mask, never is_causal: the two take different kernel paths, and a prompt
-        # must give the same bits whether it is prefilled whole or in chunks.
-        positions = torch.arange(seq_len - q.shape[0], seq_len, device=q.device)[:, None]
-        mask = torch.arange(k.shape[0], device=q.device)[None, :] <= positions
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One sequence's query rows over its padded keys, with `causal_mask`'s rows for them."""
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
             attn_mask=mask, scale=self.scale, enable_gqa=self.gqa,
