@@ -8,6 +8,7 @@ import torch
 
 from slotserve import LLM, SamplingParams
 from slotserve.config import EngineConfig
+from slotserve.engine.engine_core import _one_tensor
 from slotserve.kernels import decode_attention, rows, small_gemm
 from tests.conftest import build_tiny_model
 
@@ -182,3 +183,13 @@ def test_engine_config_rejects_bad_values():
         EngineConfig(block_size=0)
     with pytest.raises(ValueError, match="max_model_len"):
         EngineConfig(max_model_len=-5)
+
+
+def test_sampled_rows_are_one_view_when_consecutive():
+    logits = torch.randn(5, 7)
+    rows = [logits[i:i + 1] for i in range(1, 4)]
+    stacked = _one_tensor(rows)
+    assert torch.equal(stacked, logits[1:4]) and stacked.data_ptr() == logits[1].data_ptr()
+    for scattered in ([logits[0:1], logits[2:3]], [logits[1:2], torch.randn(1, 7)], [logits[3:4], logits[2:3]]):
+        together = _one_tensor(scattered)
+        assert torch.equal(together, torch.cat(scattered)) and together.data_ptr() != scattered[0].data_ptr()

@@ -153,7 +153,7 @@ class EngineCore:
             else:
                 sampling.append((req, result[-1:]))
         if sampling:
-            sampled = self.sampler(torch.cat([row for _, row in sampling]), [r.sampling for r, _ in sampling])
+            sampled = self.sampler(_one_tensor([row for _, row in sampling]), [r.sampling for r, _ in sampling])
             outputs += [self._append(req, sampled.token_ids[i], sampled.logprobs[i])
                         for i, (req, _) in enumerate(sampling)]
         return outputs
@@ -198,6 +198,17 @@ class EngineCore:
             self.requests.pop(req.request_id, None)
             self.scheduler.finish(req, out.finish_reason)
         return out
+
+
+def _one_tensor(rows: list[torch.Tensor]) -> torch.Tensor:
+    """The rows [1, V] stacked: a view where they are consecutive rows of one tensor (the runner's logits,
+    when every sequence samples), else a copy. 32 rows of 152k logits took 6 ms to copy, 3 % of a step."""
+    first = rows[0]
+    step = first.stride(0) * first.element_size()
+    if all(r.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and r.stride() == first.stride()
+           and r.data_ptr() == first.data_ptr() + i * step for i, r in enumerate(rows)):
+        return first.as_strided((len(rows), first.shape[1]), first.stride(), first.storage_offset())
+    return torch.cat(rows)
 
 
 def eos_token_ids(cfg: ModelConfig, tokenizer_eos: int | None) -> frozenset[int]:
