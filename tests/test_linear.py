@@ -4,6 +4,8 @@ bitwise the same row whatever batch it is in, and torch's path wherever the kern
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 import pytest
 import torch
@@ -141,3 +143,20 @@ def test_the_build_lands_in_the_cache_once(tmp_path, monkeypatch):
     stamp = built[0].stat().st_mtime_ns
     assert native.load.__wrapped__(small_gemm.SOURCE) is not None
     assert built[0].stat().st_mtime_ns == stamp
+
+
+@needs_kernel
+def test_builds_unused_for_a_month_are_pruned_by_the_next_build(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLOTSERVE_CACHE", str(tmp_path))
+    old, recent = tmp_path / "kernels" / "old", tmp_path / "kernels" / "recent"
+    for build in (old, recent):
+        build.mkdir(parents=True)
+        (build / "small_gemm.so").write_bytes(b"")
+    month_ago = time.time() - (native.STALE_DAYS + 1) * 86400
+    os.utime(old, (month_ago, month_ago))
+    assert native.load.__wrapped__(small_gemm.SOURCE) is not None
+    assert not old.exists() and recent.exists()
+    (current,) = (d for d in (tmp_path / "kernels").iterdir() if d != recent)
+    os.utime(current, (month_ago, month_ago))
+    native.load.__wrapped__(small_gemm.SOURCE)  # a load marks its build as in use
+    assert current.stat().st_mtime > month_ago + 86400

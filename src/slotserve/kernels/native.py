@@ -13,13 +13,16 @@ caller keeps its torch path.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import logging
 import os
 import platform
+import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -28,6 +31,7 @@ from slotserve.model_store import cache_dir
 
 log = logging.getLogger(__name__)
 
+STALE_DAYS = 30
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
 
 
@@ -83,10 +87,23 @@ def load(source: Path) -> ctypes.CDLL | None:
         if not target.exists():
             log.info("compiling %s for this machine", source.name)
             _build(source, target)
+            _prune(target.parent)
+        with contextlib.suppress(OSError):  # a read-only cache still loads
+            os.utime(target.parent)  # in use: what _prune goes by
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("native kernel %s unavailable, using torch's: %s", source.name, e)
         return None
+
+
+def _prune(current: Path) -> None:
+    """Removes the builds of other versions of the sources (or other machines sharing a home directory)
+    that no process has loaded for STALE_DAYS: each edit of a kernel leaves a directory behind."""
+    cutoff = time.time() - STALE_DAYS * 86400
+    for build in current.parent.iterdir():
+        with contextlib.suppress(OSError):
+            if build != current and build.is_dir() and build.stat().st_mtime < cutoff:
+                shutil.rmtree(build)
 
 
 @functools.cache
