@@ -58,11 +58,13 @@ def test_bench_latency_prints_json(tiny_qwen3):
 
 def test_bench_throughput_and_attention_print_json(tiny_qwen3):
     result = run("bench", "throughput", "-m", str(tiny_qwen3), "--kv-cache-memory", "8M", "--num-prompts", "4",
-                 "--input-len", "16", "--output-len", "4", "--baseline-prompts", "2", "--compare-transformers")
+                 "--input-len", "16", "--output-len", "4", "--baseline-prompts", "2", "--compare-transformers",
+                 "--rounds", "2")
     assert result.returncode == 0, result.stderr
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["requests"] == 4 and figures["output_tokens"] == 16
     assert figures["transformers_generate"]["output_tokens"] == 16 and figures["speedup_vs_transformers"] > 0
+    assert len(figures["transformers_rounds"]) == 2 and all(r["speedup"] > 0 for r in figures["transformers_rounds"])
     assert figures["one_at_a_time"]["requests"] == 2 and figures["speedup_vs_one_at_a_time"] > 0
     result = run("bench", "embed", "-m", str(tiny_qwen3), "--kv-cache-memory", "8M", "--num-sentences", "5")
     assert result.returncode == 0, result.stderr

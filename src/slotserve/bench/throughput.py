@@ -75,13 +75,17 @@ def _decode_rate_bare(engine: LLMEngine, prompt: list[int], steps: int) -> float
         engine.kv.pool.free(blocks)
 
 
-def _transformers_rate(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
-    """Output tokens/s of Hugging Face `generate` on the same prompts in one padded batch (greedy)."""
+def _transformers_model(engine: LLMEngine) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     from slotserve.model_store import resolve_model
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(engine.config.model), dtype=engine.dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(resolve_model(engine.config.model), dtype=engine.dtype).eval()
+
+
+def _transformers_rate(model: torch.nn.Module, engine: LLMEngine, prompts: list[list[int]],
+                       output_len: int) -> dict[str, Any]:
+    """Output tokens/s of Hugging Face `generate` on the same prompts in one padded batch (greedy)."""
     width = max(len(p) for p in prompts)
     pad = engine.tokenizer.eos_token_id or 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding, as generate wants
@@ -96,12 +100,35 @@ def _transformers_rate(engine: LLMEngine, prompts: list[list[int]], output_len: 
             "output_tokens_per_s": round(generated / seconds, 2)}
 
 
+def _against_transformers(engine: LLMEngine, args: argparse.Namespace, rng: random.Random,
+                          first: tuple[list[list[int]], dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rounds of (the batched run, transformers on the same prompts), each pair back to back: the first
+    from the run already made, the others on fresh prompts (the prefix cache must not flatter them)."""
+    model = _transformers_model(engine)
+    rounds = []
+    prompts, ours = first
+    for i in range(args.rounds):
+        if i:
+            prompts = _prompts(engine, args, args.num_prompts, rng)
+            ours = _run(engine, prompts, args.output_len, one_at_a_time=False)
+        print(f"transformers generate, one padded batch (round {i + 1}) ...", file=sys.stderr)
+        theirs = _transformers_rate(model, engine, prompts, args.output_len)
+        rounds.append({"slotserve_output_tokens_per_s": ours["output_tokens_per_s"],
+                       "transformers_output_tokens_per_s": theirs["output_tokens_per_s"],
+                       "speedup": round(ours["output_tokens_per_s"] / theirs["output_tokens_per_s"], 2),
+                       "transformers_generate": theirs})
+    return rounds
+
+
 def run_throughput(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
+    if args.rounds < 1 or (args.rounds > 1 and args.prompts_file):
+        raise ValueError("rounds: must be >= 1, and 1 with --prompts-file (later rounds would hit the prefix cache)")
     rng = random.Random(args.seed)
     batched_prompts = _prompts(engine, args, args.num_prompts, rng)
     _run(engine, _prompts(engine, args, 1, rng), 4, one_at_a_time=True)  # warm-up
     print(f"batched: {args.num_prompts} requests ...", file=sys.stderr)
     batched = _run(engine, batched_prompts, args.output_len, one_at_a_time=False)
+    rounds = _against_transformers(engine, args, rng, (batched_prompts, batched)) if args.compare_transformers else []
     print(f"one at a time: {args.baseline_prompts} requests ...", file=sys.stderr)
     alone = _run(engine, _prompts(engine, args, args.baseline_prompts, rng), args.output_len, one_at_a_time=True)
     decode_prompt = _prompts(engine, args, 1, rng)[0][:16]
@@ -111,10 +138,6 @@ def run_throughput(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any
         engine_rates.append(_decode_rate_engine(engine, decode_prompt, args.output_len // 2))
         bare_rates.append(_decode_rate_bare(engine, decode_prompt, args.output_len // 2))
     engine_rate, bare_rate = statistics.median(engine_rates), statistics.median(bare_rates)
-    hf = None
-    if args.compare_transformers:
-        print("transformers generate, one padded batch ...", file=sys.stderr)
-        hf = _transformers_rate(engine, batched_prompts, args.output_len)
     peak = (torch.cuda.max_memory_allocated() if engine.device.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return {
@@ -130,8 +153,10 @@ def run_throughput(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any
         "batch1_decode_tokens_per_s": round(engine_rate, 2),
         "single_sequence_decode_tokens_per_s": round(bare_rate, 2),
         "batch1_vs_single_sequence": round(engine_rate / bare_rate, 3),
-        "transformers_generate": hf,
-        "speedup_vs_transformers": round(batched["output_tokens_per_s"] / hf["output_tokens_per_s"], 2) if hf else None,
+        "transformers_generate": rounds[0]["transformers_generate"] if rounds else None,
+        # The median over --rounds pairs, each run back to back: the machine drifts between rounds.
+        "speedup_vs_transformers": statistics.median(r["speedup"] for r in rounds) if rounds else None,
+        "transformers_rounds": [{k: v for k, v in r.items() if k != "transformers_generate"} for r in rounds],
         "prefix_cache_hit_rate": round(engine.kv.stats.hit_rate, 3),
         "preemptions": engine.scheduler.num_preemptions,
         "peak_memory_bytes": peak,

@@ -339,6 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     b.add_argument("--compare-transformers", action="store_true",
                    help="also time Hugging Face generate on the same prompts in one padded batch")
+    b.add_argument("--rounds", type=int, default=1,
+                   help="with --compare-transformers: pairs of runs (fresh prompts each), median speed-up reported")
     _engine_args(b)
     b.set_defaults(func=cmd_bench)
     return parser
