@@ -42,9 +42,17 @@ def _scattered_tables(lengths: list[int], rng: random.Random) -> list[list[int]]
     return tables
 
 
+def _count_fused_steps(monkeypatch) -> list[int]:
+    """Counts the steps FusedDecode runs (and still runs them)."""
+    calls, run = [], FusedDecode.__call__
+    monkeypatch.setattr(FusedDecode, "__call__", lambda self, *a: calls.append(1) or run(self, *a))
+    return calls
+
+
 @pytest.mark.parametrize("arch", ["tiny_qwen2", "tiny_qwen3"])  # q/k/v bias; q/k norm and head_dim 32
-def test_decode_steps_match_the_layer_path_bitwise(arch, request):
+def test_decode_steps_match_the_layer_path_bitwise(arch, request, monkeypatch):
     fused, layers = _runners(request.getfixturevalue(arch))
+    calls = _count_fused_steps(monkeypatch)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 150_000) for _ in range(n)] for n in (3, 9, 17)]
     tables = _scattered_tables([len(p) + 6 for p in prompts], rng)
@@ -58,16 +66,18 @@ def test_decode_steps_match_the_layer_path_bitwise(arch, request):
         a, b = fused.execute(seqs), layers.execute(seqs)
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
         tokens = [[int(x[0].argmax())] for x in a] if step != 3 else tokens
+    assert len(calls) == 6  # every decode step of the first runner ran fused, none of the second's
     assert torch.equal(fused.k_cache, layers.k_cache) and torch.equal(fused.v_cache, layers.v_cache)
 
 
 def test_prefill_and_mixed_steps_keep_the_layer_path(tiny_qwen2, monkeypatch):
     fused, _ = _runners(tiny_qwen2)
-    calls = []
-    monkeypatch.setattr(FusedDecode, "__call__", lambda self, *a: calls.append(a) or pytest.fail("fused"))
+    calls = _count_fused_steps(monkeypatch)
     fused.execute([ScheduledSeq([5, 6, 7], 0, [0, 1])])
     fused.execute([ScheduledSeq([8], 3, [0, 1]), ScheduledSeq([5, 6], 0, [2])])  # one decode, one prefill
     assert not calls
+    fused.execute([ScheduledSeq([9], 4, [0, 1]), ScheduledSeq([7], 2, [2])])  # decodes only
+    assert len(calls) == 1
 
 
 def test_models_it_cannot_run_keep_the_layer_path(tiny_qwen2):

@@ -45,6 +45,11 @@ class PagedTables:
         return cls(rows.contiguous(), block_tables.contiguous(), lens.contiguous(), blocks_needed,
                    int(rows.max()) + 1 if seqs else 0)
 
+    def check(self, cache_blocks: int, rows: int) -> None:
+        """Raises ValueError unless these tables fit a cache of `cache_blocks` blocks and a batch of `rows`."""
+        if self.blocks_needed > cache_blocks or self.rows_needed > rows:
+            raise ValueError("decode_attention: lens, block_tables or rows out of range for the cache or the batch")
+
 
 def decode_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      tables: PagedTables, block_size: int, scale: float) -> None:
@@ -60,8 +65,7 @@ def decode_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, 
     if heads % kv_heads or out.shape != q.shape or k_cache.shape != v_cache.shape or k_cache.shape[2] != head_dim:
         raise ValueError(f"decode_attention: shapes q {tuple(q.shape)}, out {tuple(out.shape)}, "
                          f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit together")
-    if tables.blocks_needed > k_cache.shape[0] // block_size or tables.rows_needed > q.shape[0]:
-        raise ValueError("decode_attention: lens, block_tables or rows out of range for the cache or the batch")
+    tables.check(k_cache.shape[0] // block_size, q.shape[0])
     if attend(q.data_ptr(), out.data_ptr(), tables.rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
               tables.block_tables.data_ptr(), tables.block_tables.shape[1], tables.lens.data_ptr(),
               tables.rows.shape[0], heads, kv_heads, head_dim, block_size, scale, torch.get_num_threads()):

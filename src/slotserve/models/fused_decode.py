@@ -92,8 +92,7 @@ class FusedDecode:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The final hidden states [tokens, hidden] of a step `applies` accepted."""
         tables = meta.decode
-        if tables.blocks_needed > self.num_slots // meta.block_size or tables.rows_needed > len(input_ids):
-            raise ValueError("decode_layers: lens, block_tables or rows out of range for the cache or the batch")
+        tables.check(self.num_slots // meta.block_size, len(input_ids))
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary(positions)
         cos, sin = cos.reshape(len(input_ids), -1).contiguous(), sin.reshape(len(input_ids), -1).contiguous()
