@@ -66,6 +66,13 @@ def test_bench_throughput_and_attention_print_json(tiny_qwen3):
     assert figures["transformers_generate"]["output_tokens"] == 16 and figures["speedup_vs_transformers"] > 0
     assert len(figures["transformers_rounds"]) == 2 and all(r["speedup"] > 0 for r in figures["transformers_rounds"])
     assert figures["one_at_a_time"]["requests"] == 2 and figures["speedup_vs_one_at_a_time"] > 0
+    # Counted by hand for the tiny Qwen3 (hidden 64, 4 heads of 32, 2 KV heads, MLP 128, 2 layers, tied head):
+    # 19 tokens of each prompt through 2 x 49,152 linear weights, 4 head rows of 64 x 151,936, and
+    # 19 * 20 / 2 attention pairs of 4 FLOPs x 2 layers x 4 heads x 32 dims.
+    bound = figures["gemm_bound"]
+    assert bound["flops"] == 4 * (2 * 98_304 * 19 + 2 * 64 * 151_936 * 4 + 1024 * 19 * 20 // 2)
+    assert bound["gemm_fp32_GFLOPs"] > 0 and 0 < bound["fraction_of_gemm_bound"] < 1
+    assert figures["speedup_vs_transformers_at_gemm_bound"] > 0
     result = run("bench", "embed", "-m", str(tiny_qwen3), "--kv-cache-memory", "8M", "--num-sentences", "5")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1])["embeddings_per_s"] > 0

@@ -76,7 +76,7 @@ def decode_step(engine: LLMEngine, batch: int, context_len: int,
     return lambda: runner.execute(step), release
 
 
-def _linear_params(model: nn.Module) -> tuple[int, int, int]:
+def linear_params(model: nn.Module) -> tuple[int, int, int]:
     """(parameters in decoder linears, parameters in the output head, bytes of all of them)."""
     body = head = nbytes = 0
     for name, m in model.named_modules():
@@ -90,17 +90,21 @@ def _linear_params(model: nn.Module) -> tuple[int, int, int]:
     return body, head, nbytes
 
 
+def attention_pair_flops(cfg: Any) -> int:
+    """FLOPs of attention per (query, key) pair: QK^T and PV, 2 * heads * head_dim each, in every layer."""
+    return 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
+
+
 def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
     core, cfg, runner = engine.core, engine.model_config, engine.runner
     rng = random.Random(0)
     read, gemm = read_pass(), gemm_pass()
     bandwidth_4k = READ_BYTES / median_seconds(read_pass(huge_pages=False), 3)
-    body, head, weight_bytes = _linear_params(core.model)
+    body, head, weight_bytes = linear_params(core.model)
     kv_per_token = runner.cache_bytes_per_token(cfg, core.dtype)
 
-    def attention_flops(queries: int, context: int) -> float:
-        # QK^T and PV: 2 matmuls of 2 * heads * head_dim FLOPs per (query, key) pair, per layer.
-        return 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * queries * context
+    def attention_flops(queries: int, context: float) -> float:
+        return attention_pair_flops(cfg) * queries * context
 
     def blocks(tokens: int) -> list[int]:
         return engine.kv.pool.allocate(engine.kv.blocks_for(tokens))

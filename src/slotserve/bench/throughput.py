@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from slotserve.bench.kernels import GEMM_SIZE, attention_pair_flops, gemm_pass, linear_params
+from slotserve.bench.timing import seconds
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.model_runner import ScheduledSeq
 from slotserve.sampling_params import SamplingParams
@@ -75,6 +77,23 @@ def _decode_rate_bare(engine: LLMEngine, prompt: list[int], steps: int) -> float
         engine.kv.pool.free(blocks)
 
 
+def _gemm_bound(engine: LLMEngine, prompts: list[list[int]], output_len: int, run_seconds: float) -> dict[str, Any]:
+    """The batched run's FLOPs and the seconds they take at this machine's fp32 GEMM rate (a large square
+    GEMM, best of three, measured right after the run): no float32 engine finishes the run faster.
+    Counted: each prompt token and each generated token but the last through the decoder's linear layers,
+    one output-head row per generated token, attention over every query's context."""
+    body, head, _ = linear_params(engine.core.model)
+    pair = attention_pair_flops(engine.model_config)
+    flops = 0
+    for prompt in prompts:
+        tokens = len(prompt) + output_len - 1
+        flops += 2 * body * tokens + 2 * head * output_len + pair * tokens * (tokens + 1) // 2
+    gemm = gemm_pass()
+    rate = 2 * GEMM_SIZE**3 / min(seconds(gemm) for _ in range(3))
+    return {"flops": flops, "gemm_fp32_GFLOPs": round(rate / 1e9, 1),
+            "seconds": round(flops / rate, 3), "fraction_of_gemm_bound": round(flops / rate / run_seconds, 3)}
+
+
 def _transformers_model(engine: LLMEngine) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -128,6 +147,9 @@ def run_throughput(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any
     _run(engine, _prompts(engine, args, 1, rng), 4, one_at_a_time=True)  # warm-up
     print(f"batched: {args.num_prompts} requests ...", file=sys.stderr)
     batched = _run(engine, batched_prompts, args.output_len, one_at_a_time=False)
+    bound = (_gemm_bound(engine, batched_prompts, args.output_len, batched["seconds"])
+             if engine.device.type == "cpu" and engine.dtype == torch.float32 and not engine.config.quantization
+             else None)
     rounds = _against_transformers(engine, args, rng, (batched_prompts, batched)) if args.compare_transformers else []
     print(f"one at a time: {args.baseline_prompts} requests ...", file=sys.stderr)
     alone = _run(engine, _prompts(engine, args, args.baseline_prompts, rng), args.output_len, one_at_a_time=True)
@@ -157,6 +179,10 @@ def run_throughput(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any
         # The median over --rounds pairs, each run back to back: the machine drifts between rounds.
         "speedup_vs_transformers": statistics.median(r["speedup"] for r in rounds) if rounds else None,
         "transformers_rounds": [{k: v for k, v in r.items() if k != "transformers_generate"} for r in rounds],
+        "gemm_bound": bound,
+        # The most any float32 engine could beat transformers by here: its seconds over the GEMM bound's.
+        "speedup_vs_transformers_at_gemm_bound": (
+            round(rounds[0]["transformers_generate"]["seconds"] / bound["seconds"], 2) if rounds and bound else None),
         "prefix_cache_hit_rate": round(engine.kv.stats.hit_rate, 3),
         "preemptions": engine.scheduler.num_preemptions,
         "peak_memory_bytes": peak,
