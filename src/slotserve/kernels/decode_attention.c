@@ -21,7 +21,7 @@
 static float dot(const float *a, const float *b, long n) {
     vf acc = {0};
     long d = 0;
-    for (; d + VW <= n; d += VW) acc += load(a + d) * load(b + d);
+    for (; d + VW <= n; d += VW) acc = fmadd(load(a + d), load(b + d), acc);
     float s = hsum(acc);
     for (; d < n; d++) s += a[d] * b[d];
     return s;
@@ -33,7 +33,7 @@ static inline void axpy(float *out, const float *p, const float *const *v, long 
     long d = 0;
     for (; d + VW <= n; d += VW) {
         vf acc = load(out + d);
-        for (int j = 0; j < KEYS; j++) acc += splat(p[j]) * load(v[j] + d);
+        for (int j = 0; j < KEYS; j++) acc = fmadd(splat(p[j]), load(v[j] + d), acc);
         store(out + d, acc);
     }
     for (; d < n; d++)

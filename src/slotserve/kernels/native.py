@@ -32,7 +32,7 @@ from slotserve.model_store import cache_dir
 log = logging.getLogger(__name__)
 
 STALE_DAYS = 30
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
 
 
 class KernelUnavailableError(RuntimeError):

@@ -30,7 +30,7 @@ int slotserve_rms_norm(const float *x, float *residual, const float *weight, flo
         long d = 0;
         for (; d + VW <= dim; d += VW) {
             const vf v = load(xr + d);
-            acc += v * v;
+            acc = fmadd(v, v, acc);
         }
         float sum = hsum(acc);
         for (; d < dim; d++) sum += xr[d] * xr[d];

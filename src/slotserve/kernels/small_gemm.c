@@ -57,7 +57,7 @@ static inline __attribute__((always_inline)) void dot_tile(const int nb, const i
         for (int j = 0; j < mb; j++) {
             const vf xv = load(xm + j * K + k);
 #pragma GCC unroll 8
-            for (int i = 0; i < nb; i++) acc[i * mb + j] += wv[i] * xv;
+            for (int i = 0; i < nb; i++) acc[i * mb + j] = fmadd(wv[i], xv, acc[i * mb + j]);
         }
     }
     for (int i = 0; i < nb; i++)
@@ -118,7 +118,7 @@ static inline __attribute__((always_inline)) void tile(const int nb, const int m
         for (int i = 0; i < nb; i++) {
             const vf wb = splat(wr[i * K + k]);
 #pragma GCC unroll 4
-            for (int j = 0; j < mv; j++) acc[i * mv + j] += wb * xv[j];
+            for (int j = 0; j < mv; j++) acc[i * mv + j] = fmadd(wb, xv[j], acc[i * mv + j]);
         }
     }
     for (int i = 0; i < nb; i++) {

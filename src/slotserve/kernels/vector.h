@@ -41,6 +41,19 @@ static inline __attribute__((always_inline)) vf splat(float s) {
 #endif
 }
 
+/* a * b + c with one rounding. The kernels build with -ffp-contract=off, so that the compiler never
+   decides by itself, differently in differently shaped copies of one loop, which products to fuse: a
+   row's bits would then depend on the tile it fell in (seen on AVX2: the last, narrower tile of rows). */
+static inline __attribute__((always_inline)) vf fmadd(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
 /* The sum of a vector's lanes, folded in halves (a fixed order, so the same bits every time). */
 static inline float hsum(vf v) {
 #if VW == 16
@@ -59,15 +72,15 @@ static inline vf vexp(vf x) {
     const vi low = x < splat(-87.0f); /* all ones where true */
     x = (vf)(((vi)x & ~low) | ((vi)splat(-87.0f) & low));
     const vf magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-    vf t = x * splat(1.44269504088896341f) + magic;
+    vf t = fmadd(x, splat(1.44269504088896341f), magic);
     const vf n = t - magic;
     vf r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
     vf p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
+    p = fmadd(p, r, splat(1.3981999507e-3f));
+    p = fmadd(p, r, splat(8.3334519073e-3f));
+    p = fmadd(p, r, splat(4.1665795894e-2f));
+    p = fmadd(p, r, splat(1.6666665459e-1f));
+    p = fmadd(p, r, splat(5.0000001201e-1f));
     p = p * r * r + r + splat(1.0f);
     const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
     return (vf)((vi)(p * (vf)bits) & ~low);
