@@ -27,6 +27,7 @@ from slotserve.layers.quantization import Int8Linear
 
 READ_BYTES = 1 << 30
 GEMM_SIZE = 2048
+GEMM_FLOPS = 2 * GEMM_SIZE**3  # of one gemm_pass
 
 
 def read_pass(huge_pages: bool = True) -> Callable[[], object]:
@@ -143,8 +144,7 @@ def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
         batched_flops = args.batch * (2 * (body + head)) + attention_flops(args.batch, args.context_len)
         release()
 
-    gemm_flops = 2 * GEMM_SIZE**3
-    prefill_gemm, batched_gemm = gemm_flops / prefill_gemm_s, gemm_flops / batched_gemm_s
+    prefill_gemm, batched_gemm = GEMM_FLOPS / prefill_gemm_s, GEMM_FLOPS / batched_gemm_s
     bandwidth = READ_BYTES / read_s
     decode_bound = bandwidth / decode_bytes
     return {

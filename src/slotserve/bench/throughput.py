@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from slotserve.bench.kernels import GEMM_SIZE, attention_pair_flops, gemm_pass, linear_params
+from slotserve.bench.kernels import GEMM_FLOPS, attention_pair_flops, gemm_pass, linear_params
 from slotserve.bench.timing import seconds
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.model_runner import ScheduledSeq
@@ -89,7 +89,7 @@ def _gemm_bound(engine: LLMEngine, prompts: list[list[int]], output_len: int, ru
         tokens = len(prompt) + output_len - 1
         flops += 2 * body * tokens + 2 * head * output_len + pair * tokens * (tokens + 1) // 2
     gemm = gemm_pass()
-    rate = 2 * GEMM_SIZE**3 / min(seconds(gemm) for _ in range(3))
+    rate = GEMM_FLOPS / min(seconds(gemm) for _ in range(3))
     return {"flops": flops, "gemm_fp32_GFLOPs": round(rate / 1e9, 1),
             "seconds": round(flops / rate, 3), "fraction_of_gemm_bound": round(flops / rate / run_seconds, 3)}
 
