@@ -10,10 +10,12 @@
      lanes are summed at the end. Each weight row is one sequential stream: as fast as MKL's
      matrix-vector product at one row, and 1.8x its GEMM at 8.
    - More rows: broadcasts. x is transposed once per call into xt[K][Mp] (Mp: M rounded up to the vector
-     width, zero-padded) so that one vector holds one k for VW consecutive batch rows; a tile of NB
-     weight rows x MV such vectors keeps NB*MV accumulators, and for each k broadcasts NB weights, one
+     width, zero-padded) so that one vector holds one k for VW consecutive batch rows; a tile of nb
+     weight rows x mv such vectors keeps nb*mv accumulators, and for each k broadcasts nb weights, one
      fused multiply-add per accumulator. Fewer instructions per weight than dot products from ~12 rows
-     on (measured: 172 vs 240 ms for the default model's weights at 32 rows).
+     on (measured: 172 vs 240 ms for the default model's weights at 32 rows). Where the batch has more
+     vectors than a tile holds, a tile's rows meet them block by block, streamed from memory for the
+     first block and read from L1 or L2 for the others.
 
    Either way an output element's sum runs in an order fixed by K alone, whatever M is and wherever the
    row sits in the batch: a row's result is bitwise the same in any batch of 1..DOT_ROWS rows, and in
@@ -26,16 +28,21 @@
 
 #include "vector.h"
 
+/* A broadcast tile of nb weight rows and mv batch vectors holds nb * mv accumulators (at most ACC), the mv
+   batch vectors and one broadcast weight in registers: at most 16 with AVX2 (12 + 3 + 1) and 32 with
+   AVX-512 (24 + 4 + 1). One register more and GCC reads the batch vectors from memory in every multiply-
+   add instead (seen with 12 + 4 + 1 on AVX2: 1.15-1.25x slower at 32 rows). */
 #if defined(__AVX512F__)
-#define ACC 24 /* accumulators a tile may hold: 32 registers less the operands in flight */
+#define ACC 24
+#define MV_MAX 4
 #define DOT_NB 4
 #define DOT_MB 6
 #else
 #define ACC 12
+#define MV_MAX 3
 #define DOT_NB 3
 #define DOT_MB 4
 #endif
-#define MV_MAX 4
 #define DOT_ROWS 11 /* the crossover measured on the default model's weights: 12 rows ran even */
 
 /* ---- few rows: dot products ---- */
@@ -97,18 +104,19 @@ static void dot_block(const float *x, const float *w, const float *bias, float *
 
 /* ---- more rows: broadcasts ---- */
 
-/* One tile: rows n0..n0+nb of w against the mv batch vectors of xt starting at column m0. Called with
-   constant nb and mv, so the compiler unrolls both loops and keeps `acc` in registers. */
+/* One tile: rows n0..n0+nb of w against the mv batch vectors of xt from column m0. Called with constant
+   nb and mv, so the compiler unrolls both loops and keeps `acc` in registers. With `prefetch`, the next
+   tile's rows (contiguous with these) are fetched into L2 meanwhile. */
 static inline __attribute__((always_inline)) void tile(const int nb, const int mv, const float *restrict w,
                                                        long K, const float *restrict xt, long Mp, long m0,
-                                                       const float *restrict bias, float *restrict out,
-                                                       long M, long N, long n0) {
+                                                       int prefetch, const float *restrict bias,
+                                                       float *restrict out, long M, long N, long n0) {
     vf acc[ACC];
 #pragma GCC unroll 24
     for (int a = 0; a < nb * mv; a++) acc[a] = (vf){0};
     const float *wr = w + n0 * K;
+    const float *next = prefetch ? wr + nb * K : wr;
     const float *xk = xt + m0;
-    const float *next = wr + nb * K; /* the next tile's rows: contiguous, fetched into L2 meanwhile */
     for (long k = 0; k < K; k++, xk += Mp) {
         __builtin_prefetch(next + k * nb, 0, 2);
         vf xv[MV_MAX];
@@ -131,27 +139,75 @@ static inline __attribute__((always_inline)) void tile(const int nb, const int m
     }
 }
 
-/* The weight rows per tile for mv batch vectors: as many accumulators as the registers allow. */
-static int rows_per_tile(int mv) { return ACC / mv; }
+/* The batch's vectors in blocks: all in one block up to MV_MAX, else blocks of two after a first block of
+   three where the count is odd. A tile's weight rows come from memory for the first block and from L1 or
+   L2 for the others. */
+static int first_block(long vectors) { return vectors <= MV_MAX ? (int)vectors : vectors % 2 ? 3 : 2; }
 
-#define TILES_FOR(MV)                                                                                  \
-    static void tiles_##MV(const float *w, long K, const float *xt, long Mp, long m0, const float *bias, \
-                           float *out, long M, long N, long block) {                                   \
-        const int nb = ACC / MV;                                                                       \
-        const long n0 = block * nb;                                                                    \
-        if (n0 + nb <= N) {                                                                            \
-            tile(ACC / MV, MV, w, K, xt, Mp, m0, bias, out, M, N, n0);                                 \
-        } else {                                                                                       \
-            for (long n = n0; n < N; n++) tile(1, MV, w, K, xt, Mp, m0, bias, out, M, N, n);           \
-        }                                                                                              \
+/* nb weight rows from n0 against every block of batch vectors. */
+static inline __attribute__((always_inline)) void rows(const int nb, const float *w, long K, const float *xt,
+                                                       long Mp, const float *bias, float *out, long M, long N,
+                                                       long n0) {
+    for (long m0 = 0; m0 < Mp;) {
+        const int mv = m0 ? 2 : first_block(Mp / VW), first = m0 == 0;
+#define TILE_CASE(MV)                                                                 \
+    case MV:                                                                          \
+        if (nb * MV <= ACC) tile(nb, MV, w, K, xt, Mp, m0, first, bias, out, M, N, n0); \
+        break;
+        switch (mv) {
+            TILE_CASE(1)
+            TILE_CASE(2)
+            TILE_CASE(3)
+#if MV_MAX > 3
+            TILE_CASE(4)
+#endif
+        }
+#undef TILE_CASE
+        m0 += mv * VW;
     }
-TILES_FOR(1)
-TILES_FOR(2)
-TILES_FOR(3)
-TILES_FOR(4)
+}
 
-typedef void (*tiles_fn)(const float *, long, const float *, long, long, const float *, float *, long, long, long);
-static const tiles_fn TILES[MV_MAX + 1] = {0, tiles_1, tiles_2, tiles_3, tiles_4};
+/* The block-th group of nb weight rows (the last group may be short: one row at a time). */
+static inline __attribute__((always_inline)) void row_block(const int nb, const float *w, long K,
+                                                            const float *xt, long Mp, const float *bias,
+                                                            float *out, long M, long N, long block) {
+    const long n0 = block * nb;
+    if (n0 + nb <= N)
+        rows(nb, w, K, xt, Mp, bias, out, M, N, n0);
+    else
+        for (long n = n0; n < N; n++) rows(1, w, K, xt, Mp, bias, out, M, N, n);
+}
+
+#define ROW_BLOCK(NB)                                                                                      \
+    static void row_block_##NB(const float *w, long K, const float *xt, long Mp, const float *bias,         \
+                               float *out, long M, long N, long block) {                                   \
+        row_block(NB, w, K, xt, Mp, bias, out, M, N, block);                                                \
+    }
+ROW_BLOCK(1)
+ROW_BLOCK(2)
+ROW_BLOCK(3)
+ROW_BLOCK(4)
+ROW_BLOCK(6)
+ROW_BLOCK(8)
+ROW_BLOCK(12)
+ROW_BLOCK(24)
+
+typedef void (*row_block_fn)(const float *, long, const float *, long, const float *, float *, long, long, long);
+
+/* The weight rows per tile: as many as the widest block of batch vectors leaves accumulators for. */
+static row_block_fn row_blocks(int mv, int *nb) {
+    *nb = ACC / mv;
+    switch (*nb) {
+    case 24: return row_block_24;
+    case 12: return row_block_12;
+    case 8: return row_block_8;
+    case 6: return row_block_6;
+    case 4: return row_block_4;
+    case 3: return row_block_3;
+    case 2: return row_block_2;
+    default: *nb = 1; return row_block_1;
+    }
+}
 
 /* out[M][N] = x[M][K] @ w[N][K]^T + bias (bias may be NULL); all row-major and contiguous. Returns 0,
    or -1 if the scratch buffer could not be allocated. */
@@ -175,13 +231,11 @@ int slotserve_small_gemm(const float *x, const float *w, const float *bias, floa
             for (long m = 0; m < M; m++) row[m] = x[m * K + k];
             for (long m = M; m < Mp; m++) row[m] = 0.0f;
         }
-        for (long m0 = 0; m0 < Mp; m0 += MV_MAX * VW) {
-            const int mv = (Mp - m0) / VW < MV_MAX ? (int)((Mp - m0) / VW) : MV_MAX;
-            const long nb = rows_per_tile(mv);
-            const long blocks = (N + nb - 1) / nb;
+        int nb;
+        const row_block_fn row_block = row_blocks(first_block(Mp / VW), &nb);
+        const long blocks = (N + nb - 1) / nb;
 #pragma omp for schedule(static)
-            for (long block = 0; block < blocks; block++) TILES[mv](w, K, xt, Mp, m0, bias, out, M, N, block);
-        }
+        for (long b = 0; b < blocks; b++) row_block(w, K, xt, Mp, bias, out, M, N, b);
     }
     free(xt);
     return 0;
