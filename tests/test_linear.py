@@ -25,17 +25,20 @@ def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 3, 4, 15, 16, 17, 31, 32, 33, 48, 63, 64, 65, 100])
-@pytest.mark.parametrize(("k", "n"), [(1, 1), (7, 5), (64, 13), (96, 25), (896, 131)])
+@pytest.mark.parametrize(("k", "n"), [(1, 1), (7, 5), (64, 13), (96, 25), (896, 131), (2100, 9)])
 def test_small_gemm_matches_float64(rows, k, n):
     torch.manual_seed(rows * 1000 + n)
     x, w, b = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
-    torch.testing.assert_close(small_gemm.small_gemm(x, w, b), _reference(x, w, b), rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(small_gemm.small_gemm(x, w), _reference(x, w, None), rtol=1e-5, atol=1e-4)
+    atol = 1e-4 * max(1, k // 512)  # float32 rounding grows with the length of the sum
+    torch.testing.assert_close(small_gemm.small_gemm(x, w, b), _reference(x, w, b), rtol=1e-5, atol=atol)
+    torch.testing.assert_close(small_gemm.small_gemm(x, w), _reference(x, w, None), rtol=1e-5, atol=atol)
 
 
 @needs_kernel
 @pytest.mark.parametrize("sizes", [(1, 2, 3, 6, 7, 11), (12, 16, 17, 32, 47, 64)])  # the two forms of the kernel
-@pytest.mark.parametrize("k", [901, 64])  # 901: a tail past the last full vector
+# 901: a tail past the last full vector; 2100: K in blocks from 17 rows on (whole up to 16), so the bits
+# must not depend on the blocking either
+@pytest.mark.parametrize("k", [901, 64, 2100])
 def test_a_row_gets_the_same_bits_in_any_batch(sizes, k):
     """N = 301 leaves a narrower last tile of weight rows for every tile shape: where the compiler chose
     which products to fuse, that tile's rows came out differently alone and in a batch (AVX2, gcc 12)."""

@@ -43,6 +43,7 @@
 #define DOT_NB 3
 #define DOT_MB 4
 #endif
+#define XT_BLOCK 65536 /* floats of xt per block of K */
 #define DOT_ROWS 11 /* the crossover measured on the default model's weights: 12 rows ran even */
 
 /* ---- few rows: dot products ---- */
@@ -104,21 +105,36 @@ static void dot_block(const float *x, const float *w, const float *bias, float *
 
 /* ---- more rows: broadcasts ---- */
 
-/* One tile: rows n0..n0+nb of w against the mv batch vectors of xt from column m0. Called with constant
-   nb and mv, so the compiler unrolls both loops and keeps `acc` in registers. With `prefetch`, the next
-   tile's rows (contiguous with these) are fetched into L2 meanwhile. */
-static inline __attribute__((always_inline)) void tile(const int nb, const int mv, const float *restrict w,
-                                                       long K, const float *restrict xt, long Mp, long m0,
-                                                       int prefetch, const float *restrict bias,
-                                                       float *restrict out, long M, long N, long n0) {
+/* One product of the broadcast form: xt is x transposed ([K][Mp]); part holds [N][Mp] partial sums
+   between blocks of K. */
+typedef struct {
+    const float *w, *xt, *bias;
+    float *out, *part;
+    long M, Mp, N, K;
+} Gemm;
+
+/* One tile: rows n0..n0+nb of w against the mv batch vectors of xt from column m0, over k in [k0, k1).
+   The accumulators start from the partial sums of the blocks before (zero in the first) and go back
+   there, or with the bias into `out` after the last block: stored and reloaded as float32, each sum
+   still runs k = 0, 1, ..., K-1 in one accumulator, so blocking K changes no bits. Called with constant
+   nb and mv, so the compiler unrolls both loops and keeps `acc` in registers. With `prefetch`, memory
+   from the next tile's rows on is fetched into L2 meanwhile: as much as this block of K spans in each
+   of nb rows (all of the next tile's rows where K is one block). A per-step computed row and column
+   instead measured 1.1x slower: the integer work competes with the loop's own. */
+static inline __attribute__((always_inline)) void tile(const int nb, const int mv, const Gemm *g, long n0,
+                                                       long m0, long k0, long k1, int prefetch) {
+    const long K = g->K, Mp = g->Mp;
     vf acc[ACC];
+    float *part = g->part + n0 * Mp + m0;
 #pragma GCC unroll 24
-    for (int a = 0; a < nb * mv; a++) acc[a] = (vf){0};
-    const float *wr = w + n0 * K;
-    const float *next = prefetch ? wr + nb * K : wr;
-    const float *xk = xt + m0;
-    for (long k = 0; k < K; k++, xk += Mp) {
-        __builtin_prefetch(next + k * nb, 0, 2);
+    for (int i = 0; i < nb; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < mv; j++) acc[i * mv + j] = k0 ? load(part + i * Mp + j * VW) : (vf){0};
+    const float *restrict wr = g->w + n0 * K;
+    const float *next = prefetch ? wr + nb * K + k0 : wr + k0;
+    const float *restrict xk = g->xt + k0 * Mp + m0;
+    for (long k = k0; k < k1; k++, xk += Mp) {
+        __builtin_prefetch(next + (k - k0) * nb, 0, 2);
         vf xv[MV_MAX];
 #pragma GCC unroll 4
         for (int j = 0; j < mv; j++) xv[j] = load(xk + j * VW);
@@ -129,12 +145,19 @@ static inline __attribute__((always_inline)) void tile(const int nb, const int m
             for (int j = 0; j < mv; j++) acc[i * mv + j] = fmadd(wb, xv[j], acc[i * mv + j]);
         }
     }
+    if (k1 < K) {
+#pragma GCC unroll 24
+        for (int i = 0; i < nb; i++)
+#pragma GCC unroll 4
+            for (int j = 0; j < mv; j++) store(part + i * Mp + j * VW, acc[i * mv + j]);
+        return;
+    }
     for (int i = 0; i < nb; i++) {
-        const float b = bias ? bias[n0 + i] : 0.0f;
+        const float b = g->bias ? g->bias[n0 + i] : 0.0f;
         for (int j = 0; j < mv; j++)
             for (int l = 0; l < VW; l++) {
                 const long m = m0 + j * VW + l;
-                if (m < M) out[m * N + n0 + i] = acc[i * mv + j][l] + b;
+                if (m < g->M) g->out[m * g->N + n0 + i] = acc[i * mv + j][l] + b;
             }
     }
 }
@@ -144,15 +167,13 @@ static inline __attribute__((always_inline)) void tile(const int nb, const int m
    L2 for the others. */
 static int first_block(long vectors) { return vectors <= MV_MAX ? (int)vectors : vectors % 2 ? 3 : 2; }
 
-/* nb weight rows from n0 against every block of batch vectors. */
-static inline __attribute__((always_inline)) void rows(const int nb, const float *w, long K, const float *xt,
-                                                       long Mp, const float *bias, float *out, long M, long N,
-                                                       long n0) {
-    for (long m0 = 0; m0 < Mp;) {
-        const int mv = m0 ? 2 : first_block(Mp / VW), first = m0 == 0;
-#define TILE_CASE(MV)                                                                 \
-    case MV:                                                                          \
-        if (nb * MV <= ACC) tile(nb, MV, w, K, xt, Mp, m0, first, bias, out, M, N, n0); \
+/* nb weight rows from n0 against every block of batch vectors, over k in [k0, k1). */
+static inline __attribute__((always_inline)) void rows(const int nb, const Gemm *g, long n0, long k0, long k1) {
+    for (long m0 = 0; m0 < g->Mp;) {
+        const int mv = m0 ? 2 : first_block(g->Mp / VW), first = m0 == 0;
+#define TILE_CASE(MV)                                                   \
+    case MV:                                                            \
+        if (nb * MV <= ACC) tile(nb, MV, g, n0, m0, k0, k1, first); \
         break;
         switch (mv) {
             TILE_CASE(1)
@@ -168,22 +189,14 @@ static inline __attribute__((always_inline)) void rows(const int nb, const float
 }
 
 /* The block-th group of nb weight rows (the last group may be short: one row at a time). */
-static inline __attribute__((always_inline)) void row_block(const int nb, const float *w, long K,
-                                                            const float *xt, long Mp, const float *bias,
-                                                            float *out, long M, long N, long block) {
-    const long n0 = block * nb;
-    if (n0 + nb <= N)
-        rows(nb, w, K, xt, Mp, bias, out, M, N, n0);
-    else
-        for (long n = n0; n < N; n++) rows(1, w, K, xt, Mp, bias, out, M, N, n);
-}
-
-#define ROW_BLOCK(NB)                                                                                      \
-    static void row_block_##NB(const float *w, long K, const float *xt, long Mp, const float *bias,         \
-                               float *out, long M, long N, long block) {                                   \
-        row_block(NB, w, K, xt, Mp, bias, out, M, N, block);                                                \
+#define ROW_BLOCK(NB)                                                                        \
+    static void row_block_##NB(const Gemm *g, long block, long k0, long k1) {                \
+        const long n0 = block * NB;                                                          \
+        if (n0 + NB <= g->N)                                                                 \
+            rows(NB, g, n0, k0, k1);                                                         \
+        else                                                                                 \
+            for (long n = n0; n < g->N; n++) rows(1, g, n, k0, k1);                          \
     }
-ROW_BLOCK(1)
 ROW_BLOCK(2)
 ROW_BLOCK(3)
 ROW_BLOCK(4)
@@ -192,7 +205,7 @@ ROW_BLOCK(8)
 ROW_BLOCK(12)
 ROW_BLOCK(24)
 
-typedef void (*row_block_fn)(const float *, long, const float *, long, const float *, float *, long, long, long);
+typedef void (*row_block_fn)(const Gemm *, long, long, long);
 
 /* The weight rows per tile: as many as the widest block of batch vectors leaves accumulators for. */
 static row_block_fn row_blocks(int mv, int *nb) {
@@ -204,8 +217,7 @@ static row_block_fn row_blocks(int mv, int *nb) {
     case 6: return row_block_6;
     case 4: return row_block_4;
     case 3: return row_block_3;
-    case 2: return row_block_2;
-    default: *nb = 1; return row_block_1;
+    default: *nb = 2; return row_block_2;
     }
 }
 
@@ -220,9 +232,20 @@ int slotserve_small_gemm(const float *x, const float *w, const float *bias, floa
         return 0;
     }
     const long Mp = (M + VW - 1) / VW * VW;
-    const size_t bytes = (size_t)(K * Mp) * sizeof(float);
-    float *xt = aligned_alloc(64, (bytes + 63) / 64 * 64);
-    if (!xt) return -1;
+    /* K in blocks whose part of xt fits in half of L2 (256 KB); one block for the default model's K of
+       896 up to 64 rows, 3 for its 4864 at 32 rows: xt whole would come from L3 for every tile. */
+    const long kc = (XT_BLOCK / Mp + 15) / 16 * 16;
+    float *xt = aligned_alloc(64, ((size_t)(K * Mp) * sizeof(float) + 63) / 64 * 64);
+    float *part = kc < K ? aligned_alloc(64, ((size_t)(N * Mp) * sizeof(float) + 63) / 64 * 64) : NULL;
+    if (!xt || (kc < K && !part)) {
+        free(xt);
+        free(part);
+        return -1;
+    }
+    const Gemm g = {w, xt, bias, out, part, M, Mp, N, K};
+    int nb;
+    const row_block_fn row_block = row_blocks(first_block(Mp / VW), &nb);
+    const long blocks = (N + nb - 1) / nb;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
@@ -231,12 +254,13 @@ int slotserve_small_gemm(const float *x, const float *w, const float *bias, floa
             for (long m = 0; m < M; m++) row[m] = x[m * K + k];
             for (long m = M; m < Mp; m++) row[m] = 0.0f;
         }
-        int nb;
-        const row_block_fn row_block = row_blocks(first_block(Mp / VW), &nb);
-        const long blocks = (N + nb - 1) / nb;
-#pragma omp for schedule(static)
-        for (long b = 0; b < blocks; b++) row_block(w, K, xt, Mp, bias, out, M, N, b);
+        /* The same static split in every block of K: a thread's partial sums are its own. */
+        for (long k0 = 0; k0 < K; k0 += kc) {
+#pragma omp for schedule(static) nowait
+            for (long b = 0; b < blocks; b++) row_block(&g, b, k0, k0 + kc < K ? k0 + kc : K);
+        }
     }
     free(xt);
+    free(part);
     return 0;
 }
