@@ -97,6 +97,21 @@ def test_every_batch_size_matches_nn_linear(bias, native_kernel, monkeypatch):
         assert torch.equal(out.view(rows, 8, 10).reshape(rows, 80), out)  # views work on any result layout
 
 
+@pytest.mark.parametrize("onednn", [True, False])
+def test_prefill_rows_match_nn_linear_through_onednn_or_mkl(onednn, monkeypatch):
+    if onednn and not linear.ONEDNN:
+        pytest.skip("this torch has no oneDNN linear")
+    monkeypatch.setattr(linear, "ONEDNN", onednn)
+    torch.manual_seed(0)
+    for bias in (True, False):
+        layer = Linear(96, 80, bias=bias)
+        wide = torch.randn(300, 128)
+        for x in (wide[:, :96], wide[:, :96].contiguous(), wide[:200, :96].t().contiguous().t()):
+            with torch.inference_mode():
+                out = layer(x)
+            torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
 @needs_kernel
 def test_decode_sized_batches_go_through_the_kernel():
     torch.manual_seed(0)
