@@ -77,9 +77,17 @@ def _decode_rate_bare(engine: LLMEngine, prompt: list[int], steps: int) -> float
         engine.kv.pool.free(blocks)
 
 
-def _gemm_bound(engine: LLMEngine, prompts: list[list[int]], output_len: int, run_seconds: float) -> dict[str, Any]:
-    """The batched run's FLOPs and the seconds they take at this machine's fp32 GEMM rate (a large square
-    GEMM, best of three, measured right after the run): no float32 engine finishes the run faster.
+def _gemm_rate() -> float:
+    """FLOP/s of a large square float32 GEMM, best of three."""
+    gemm = gemm_pass()
+    return GEMM_FLOPS / min(seconds(gemm) for _ in range(3))
+
+
+def _gemm_bound(engine: LLMEngine, prompts: list[list[int]], output_len: int, run_seconds: float,
+                rate: float) -> dict[str, Any]:
+    """The batched run's FLOPs and the seconds they take at this machine's fp32 GEMM rate (`rate`: the
+    better of the readings right before and right after the run, since a shared machine has dips that
+    last seconds): no float32 engine finishes the run faster.
     Counted: each prompt token and each generated token but the last through the decoder's linear layers,
     one output-head row per generated token, attention over every query's context."""
     body, head, _ = linear_params(engine.core.model)
@@ -88,8 +96,6 @@ def _gemm_bound(engine: LLMEngine, prompts: list[list[int]], output_len: int, ru
     for prompt in prompts:
         tokens = len(prompt) + output_len - 1
         flops += 2 * body * tokens + 2 * head * output_len + pair * tokens * (tokens + 1) // 2
-    gemm = gemm_pass()
-    rate = GEMM_FLOPS / min(seconds(gemm) for _ in range(3))
     return {"flops": flops, "gemm_fp32_GFLOPs": round(rate / 1e9, 1),
             "seconds": round(flops / rate, 3), "fraction_of_gemm_bound": round(flops / rate / run_seconds, 3)}
 
@@ -145,11 +151,12 @@ def run_throughput(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any
     rng = random.Random(args.seed)
     batched_prompts = _prompts(engine, args, args.num_prompts, rng)
     _run(engine, _prompts(engine, args, 1, rng), 4, one_at_a_time=True)  # warm-up
+    fp32_cpu = engine.device.type == "cpu" and engine.dtype == torch.float32 and not engine.config.quantization
+    rate_before = _gemm_rate() if fp32_cpu else 0.0
     print(f"batched: {args.num_prompts} requests ...", file=sys.stderr)
     batched = _run(engine, batched_prompts, args.output_len, one_at_a_time=False)
-    bound = (_gemm_bound(engine, batched_prompts, args.output_len, batched["seconds"])
-             if engine.device.type == "cpu" and engine.dtype == torch.float32 and not engine.config.quantization
-             else None)
+    bound = (_gemm_bound(engine, batched_prompts, args.output_len, batched["seconds"], max(rate_before, _gemm_rate()))
+             if fp32_cpu else None)
     rounds = _against_transformers(engine, args, rng, (batched_prompts, batched)) if args.compare_transformers else []
     print(f"one at a time: {args.baseline_prompts} requests ...", file=sys.stderr)
     alone = _run(engine, _prompts(engine, args, args.baseline_prompts, rng), args.output_len, one_at_a_time=True)
