@@ -200,29 +200,21 @@ static inline __attribute__((always_inline)) void rows(const int nb, const Gemm 
         else                                                                                 \
             for (long n = n0; n < g->N; n++) rows(1, g, n, k0, k1);                          \
     }
-ROW_BLOCK(2)
-ROW_BLOCK(3)
-ROW_BLOCK(4)
-ROW_BLOCK(6)
-ROW_BLOCK(8)
-ROW_BLOCK(12)
-ROW_BLOCK(24)
-
 typedef void (*row_block_fn)(const Gemm *, long, long, long);
 
-/* The weight rows per tile: as many as the widest block of batch vectors leaves accumulators for. */
-static row_block_fn row_blocks(int mv, int *nb) {
-    *nb = ACC / mv;
-    switch (*nb) {
-    case 24: return row_block_24;
-    case 12: return row_block_12;
-    case 8: return row_block_8;
-    case 6: return row_block_6;
-    case 4: return row_block_4;
-    case 3: return row_block_3;
-    default: *nb = 2; return row_block_2;
-    }
-}
+/* By the first block's width mv: ACC / mv weight rows per tile, as many as the accumulators allow. */
+#if ACC == 24
+ROW_BLOCK(24)
+ROW_BLOCK(12)
+ROW_BLOCK(8)
+ROW_BLOCK(6)
+static const row_block_fn ROW_BLOCKS[MV_MAX + 1] = {0, row_block_24, row_block_12, row_block_8, row_block_6};
+#else
+ROW_BLOCK(12)
+ROW_BLOCK(6)
+ROW_BLOCK(4)
+static const row_block_fn ROW_BLOCKS[MV_MAX + 1] = {0, row_block_12, row_block_6, row_block_4};
+#endif
 
 /* out[M][N] = x[M][K] @ w[N][K]^T + bias (bias may be NULL); all row-major and contiguous. Returns 0,
    or -1 if the scratch buffer could not be allocated. */
@@ -246,8 +238,8 @@ int slotserve_small_gemm(const float *x, const float *w, const float *bias, floa
         return -1;
     }
     const Gemm g = {w, xt, bias, out, part, M, Mp, N, K};
-    int nb;
-    const row_block_fn row_block = row_blocks(first_block(Mp / VW), &nb);
+    const int mv = first_block(Mp / VW), nb = ACC / mv;
+    const row_block_fn row_block = ROW_BLOCKS[mv];
     const long blocks = (N + nb - 1) / nb;
 #pragma omp parallel num_threads(threads)
     {
