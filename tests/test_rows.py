@@ -1,4 +1,4 @@
-"""RMSNorm, rotary embedding, SwiGLU: the native row kernels against the torch formulas they replace."""
+"""RMSNorm, rotary embedding, SwiGLU, argmax: the native row kernels against the torch ops they replace."""
 
 from __future__ import annotations
 
@@ -133,3 +133,31 @@ def test_row_kernels_reject_shapes_that_do_not_fit():
         rows.silu_mul(torch.randn(4, 7))
     with pytest.raises(ValueError, match="do not fit"):
         rows.rotary(torch.randn(4, 2, 16), torch.randn(4, 7), torch.randn(4, 7))
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(32, 151936), (1, 151936), (3, 5), (4, 8), (2, 17), (7, 1), (200, 40)])
+def test_argmax_matches_torch(shape):
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    assert torch.equal(rows.argmax(x), x.argmax(dim=-1))
+
+
+@needs_kernel
+def test_argmax_takes_the_first_of_equals_and_nan_as_torch_does():
+    x = torch.zeros(7, 43)  # 43: a tail past the last full vector of 8 or 16
+    x[1, 7] = x[1, 30] = 3.0  # equals in different vector lanes
+    x[2, 3] = x[2, 11] = x[2, 41] = 2.0  # equals in the same lane of two vectors, and one in the tail
+    x[3] = float("-inf")
+    x[4, 9] = x[4, 20] = float("nan")
+    x[4, 30] = float("inf")
+    x[5, 33] = x[5, 39] = float("inf")
+    x[6, 42] = 1.0  # the largest only in the tail
+    assert rows.argmax(x).tolist() == x.max(dim=-1).indices.tolist() == [0, 7, 3, 0, 9, 33, 42]
+
+
+def test_argmax_rejects_what_has_no_largest_value():
+    with pytest.raises(ValueError, match="argmax"):
+        rows.argmax(torch.zeros(3, 0))
+    with pytest.raises(ValueError, match="argmax"):
+        rows.argmax(torch.zeros(8))

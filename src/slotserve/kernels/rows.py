@@ -15,6 +15,7 @@ SOURCE = Path(__file__).with_name("rows.c")
 _NORM_ARGS = (ctypes.c_void_p,) * 4 + (ctypes.c_long,) * 2 + (ctypes.c_float, ctypes.c_int)
 _SILU_MUL_ARGS = (ctypes.c_void_p,) * 2 + (ctypes.c_long,) * 2 + (ctypes.c_int,)
 _ROTARY_ARGS = (ctypes.c_void_p, ctypes.c_long) + (ctypes.c_void_p,) * 3 + (ctypes.c_long,) * 3 + (ctypes.c_int,)
+_ARGMAX_ARGS = (ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_int)
 
 
 def available() -> bool:
@@ -64,6 +65,17 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     out = torch.empty(x.shape)
     rotate(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), tokens, heads, head_dim,
            torch.get_num_threads())
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch's argmax(x, dim=-1) for x [rows, n] with n > 0: the first index among equal largest values, a
+    row's first NaN where it holds one. int64."""
+    find = native.require(native.function(SOURCE, "slotserve_argmax", _ARGMAX_ARGS), SOURCE)
+    if x.dim() != 2 or x.shape[1] == 0:
+        raise ValueError(f"argmax: x {tuple(x.shape)} is not [rows, n] with n > 0")
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    find(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
     return out
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from slotserve.kernels import rows as row_kernels
 from slotserve.outputs import Logprob, PositionLogprobs
 from slotserve.sampling_params import SamplingParams
 
@@ -115,8 +116,10 @@ class Sampler:
         if len(random_rows) == len(states):
             token_ids = _sample(logits, states)
         else:
-            # max(dim).indices is argmax (first index among ties), several times faster on a CPU.
-            token_ids = logits.max(dim=-1).indices
+            # Both are argmax (the first index among ties); max(dim).indices is several times faster than
+            # torch's argmax on a CPU, and the native kernel ~5x faster again (32 x 151,936: 5.6 ms in torch).
+            token_ids = (row_kernels.argmax(logits) if logits.shape[1] and row_kernels.applies(logits)
+                         else logits.max(dim=-1).indices)
             if random_rows:
                 rows = torch.tensor(random_rows, device=logits.device)
                 token_ids[rows] = _sample(logits.index_select(0, rows), [states[i] for i in random_rows])
