@@ -70,10 +70,10 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """torch's argmax(x, dim=-1) for x [rows, n] with n > 0: the first index among equal largest values, a
-    row's first NaN where it holds one. int64."""
+    row's first NaN where it holds one. int64. The kernel keeps indices in 32-bit lanes: n < 2**31."""
     find = native.require(native.function(SOURCE, "slotserve_argmax", _ARGMAX_ARGS), SOURCE)
-    if x.dim() != 2 or x.shape[1] == 0:
-        raise ValueError(f"argmax: x {tuple(x.shape)} is not [rows, n] with n > 0")
+    if x.dim() != 2 or not 0 < x.shape[1] < 2**31:
+        raise ValueError(f"argmax: x {tuple(x.shape)} is not [rows, n] with 0 < n < 2**31")
     out = torch.empty(x.shape[0], dtype=torch.long)
     find(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
     return out
