@@ -125,12 +125,11 @@ typedef struct {
    The accumulators start from the partial sums of the blocks before (zero in the first) and go back
    there, or with the bias into `out` after the last block: stored and reloaded as float32, each sum
    still runs k = 0, 1, ..., K-1 in one accumulator, so blocking K changes no bits. Called with constant
-   nb and mv, so the compiler unrolls both loops and keeps `acc` in registers. With `prefetch`, memory
-   from the next tile's rows on is fetched into L2 meanwhile: as much as this block of K spans in each
-   of nb rows (all of the next tile's rows where K is one block). A per-step computed row and column
-   instead measured 1.1x slower: the integer work competes with the loop's own. */
+   nb and mv, so the compiler unrolls both loops and keeps `acc` in registers. Each step fetches the line
+   at pf into L2 and moves pf on by pstep bytes (rows() aims it at the next tile's rows). A per-step
+   computed row and column instead measured 1.1x slower: the integer work competes with the loop's own. */
 static inline __attribute__((always_inline)) void tile(const int nb, const int mv, const Gemm *g, long n0,
-                                                       long m0, long k0, long k1, int prefetch) {
+                                                       long m0, long k0, long k1, const char *pf, long pstep) {
     const long K = g->K, Mp = g->Mp;
     vf acc[ACC];
     float *part = g->part + n0 * Mp + m0;
@@ -139,10 +138,9 @@ static inline __attribute__((always_inline)) void tile(const int nb, const int m
 #pragma GCC unroll 4
         for (int j = 0; j < mv; j++) acc[i * mv + j] = k0 ? load(part + i * Mp + j * VW) : (vf){0};
     const float *restrict wr = g->w + n0 * K;
-    const float *next = prefetch ? wr + nb * K + k0 : wr + k0;
     const float *restrict xk = g->xt + k0 * Mp + m0;
-    for (long k = k0; k < k1; k++, xk += Mp) {
-        __builtin_prefetch(next + (k - k0) * nb, 0, 2);
+    for (long k = k0; k < k1; k++, xk += Mp, pf += pstep) {
+        __builtin_prefetch(pf, 0, 2);
         vf xv[MV_MAX];
 #pragma GCC unroll 4
         for (int j = 0; j < mv; j++) xv[j] = load(xk + j * VW);
@@ -175,13 +173,21 @@ static inline __attribute__((always_inline)) void tile(const int nb, const int m
    L2 for the others. */
 static int first_block(long vectors) { return vectors <= MV_MAX ? (int)vectors : vectors % 2 ? 3 : 2; }
 
-/* nb weight rows from n0 against every block of batch vectors, over k in [k0, k1). */
+/* nb weight rows from n0 against every block of batch vectors, over k in [k0, k1). Meanwhile the next
+   tile's rows are fetched, as much memory as this block of K spans in each of nb rows (all of those rows
+   where K is one block), a share in each batch block. All of it in the first block measured slower (32
+   rows, the default model's weights, 2-vCPU AMD EPYC: a decode step's GEMMs at best 227-248 vs 244-277
+   ms in 4 runs): the first block's fetches then came at twice the rate, and two cores at once asked
+   for more than the memory gives. */
 static inline __attribute__((always_inline)) void rows(const int nb, const Gemm *g, long n0, long k0, long k1) {
-    for (long m0 = 0; m0 < g->Mp;) {
-        const int mv = m0 ? 2 : first_block(g->Mp / VW), first = m0 == 0;
+    const long vectors = g->Mp / VW, f = first_block(vectors), blocks = 1 + (vectors - f) / 2;
+    const long share = (k1 - k0) * nb * (long)sizeof(float) / blocks, pstep = nb * (long)sizeof(float) / blocks;
+    const char *pf = (const char *)(g->w + (n0 + nb) * g->K + k0);
+    for (long m0 = 0; m0 < g->Mp; pf += share) {
+        const int mv = m0 ? 2 : (int)f;
 #define TILE_CASE(MV)                                                   \
     case MV:                                                            \
-        if (nb * MV <= ACC) tile(nb, MV, g, n0, m0, k0, k1, first); \
+        if (nb * MV <= ACC) tile(nb, MV, g, n0, m0, k0, k1, pf, pstep); \
         break;
         switch (mv) {
             TILE_CASE(1)
