@@ -65,6 +65,10 @@ def test_bench_throughput_and_attention_print_json(tiny_qwen3):
     assert figures["requests"] == 4 and figures["output_tokens"] == 16
     assert figures["transformers_generate"]["output_tokens"] == 16 and figures["speedup_vs_transformers"] > 0
     assert len(figures["transformers_rounds"]) == 2 and all(r["speedup"] > 0 for r in figures["transformers_rounds"])
+    assert 0 < figures["first_tokens_seconds"] < figures["seconds"]
+    assert 0 < figures["transformers_generate"]["first_tokens_seconds"] < figures["transformers_generate"]["seconds"]
+    assert figures["speedup_vs_transformers_to_first_tokens"] > 0
+    assert figures["speedup_vs_transformers_after_first_tokens"] > 0
     assert figures["one_at_a_time"]["requests"] == 2 and figures["speedup_vs_one_at_a_time"] > 0
     # Counted by hand for the tiny Qwen3 (hidden 64, 4 heads of 32, 2 KV heads, MLP 128, 2 layers, tied head):
     # 19 tokens of each prompt through 2 x 49,152 linear weights, 4 head rows of 64 x 151,936, and

@@ -37,18 +37,25 @@ def _run(engine: LLMEngine, prompts: list[list[int]], output_len: int, one_at_a_
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
     output_tokens = 0
+    started: set[str] = set()  # requests with a token out
+    first_tokens = 0.0  # when the last of them got its first token (the batched run's prompts all prefilled)
     batches = [[p] for p in prompts] if one_at_a_time else [prompts]
     for batch in batches:
         for prompt in batch:
             engine.add_request(f"bench-{next(_ids)}", prompt, params)
         while engine.has_unfinished_requests():
-            output_tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+            for o in engine.step():
+                output_tokens += len(o.outputs[0].token_ids) if o.finished else 0
+                if o.request_id not in started and o.outputs[0].token_ids:
+                    started.add(o.request_id)
+                    first_tokens = time.perf_counter() - start
     seconds = time.perf_counter() - start
     input_tokens = sum(len(p) for p in prompts)
     return {
         "requests": len(prompts), "input_tokens": input_tokens, "output_tokens": output_tokens,
         "seconds": round(seconds, 3), "output_tokens_per_s": round(output_tokens / seconds, 2),
         "total_tokens_per_s": round((input_tokens + output_tokens) / seconds, 2),
+        **({} if one_at_a_time else {"first_tokens_seconds": round(first_tokens, 3)}),
     }
 
 
@@ -88,7 +95,7 @@ def _gemm_bound(engine: LLMEngine, prompts: list[list[int]], output_len: int, ru
     """The batched run's FLOPs and the seconds they take at this machine's fp32 GEMM rate (`rate`: the
     better of the readings right before and right after the run, since a shared machine has dips that
     last seconds): a float32 engine whose GEMMs run at the BLAS library's rate finishes the run no faster.
-    (The hardware allows more: a multiply-add loop in registers outruns MKL's GEMM 1.4-1.8x on a Zen 3.)
+    (Not the hardware's bound: on a shared Zen 3 a multiply-add loop in registers outran MKL's GEMM 1.2-2x.)
     Counted: each prompt token and each generated token but the last through the decoder's linear layers,
     one output-head row per generated token, attention over every query's context."""
     body, head, _ = linear_params(engine.core.model)
@@ -111,19 +118,33 @@ def _transformers_model(engine: LLMEngine) -> torch.nn.Module:
 
 def _transformers_rate(model: torch.nn.Module, engine: LLMEngine, prompts: list[list[int]],
                        output_len: int) -> dict[str, Any]:
-    """Output tokens/s of Hugging Face `generate` on the same prompts in one padded batch (greedy)."""
+    """Output tokens/s of Hugging Face `generate` on the same prompts in one padded batch (greedy), and
+    the seconds of a `generate` of one token each (the prompts' prefill)."""
     width = max(len(p) for p in prompts)
     pad = engine.tokenizer.eos_token_id or 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding, as generate wants
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
-                             min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
-    seconds = time.perf_counter() - start
+
+    def generate(tokens: int) -> tuple[torch.Tensor, float]:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens,
+                                 min_new_tokens=tokens, do_sample=False, pad_token_id=pad)
+        return out, time.perf_counter() - start
+
+    out, seconds = generate(output_len)
+    _, first_tokens = generate(1)
     generated = (out.shape[1] - width) * len(prompts)
     return {"requests": len(prompts), "output_tokens": generated, "seconds": round(seconds, 3),
-            "output_tokens_per_s": round(generated / seconds, 2)}
+            "output_tokens_per_s": round(generated / seconds, 2), "first_tokens_seconds": round(first_tokens, 3)}
+
+
+def _phases(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
+    """Speed-ups over transformers until every request has its first token (mostly the prompts' prefill)
+    and after it (decode)."""
+    after_ours, after_theirs = (r["seconds"] - r["first_tokens_seconds"] for r in (ours, theirs))
+    return {"speedup_to_first_tokens": round(theirs["first_tokens_seconds"] / ours["first_tokens_seconds"], 2),
+            "speedup_after_first_tokens": round(after_theirs / after_ours, 2) if after_ours > 0 else None}
 
 
 def _against_transformers(engine: LLMEngine, args: argparse.Namespace, rng: random.Random,
@@ -142,7 +163,7 @@ def _against_transformers(engine: LLMEngine, args: argparse.Namespace, rng: rand
         rounds.append({"slotserve_output_tokens_per_s": ours["output_tokens_per_s"],
                        "transformers_output_tokens_per_s": theirs["output_tokens_per_s"],
                        "speedup": round(ours["output_tokens_per_s"] / theirs["output_tokens_per_s"], 2),
-                       "transformers_generate": theirs})
+                       **_phases(ours, theirs), "transformers_generate": theirs})
     return rounds
 
 
@@ -186,6 +207,10 @@ def run_throughput(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any
         "transformers_generate": rounds[0]["transformers_generate"] if rounds else None,
         # The median over --rounds pairs, each run back to back: the machine drifts between rounds.
         "speedup_vs_transformers": statistics.median(r["speedup"] for r in rounds) if rounds else None,
+        # The run in two phases, medians over the rounds likewise: prefill is large GEMMs in both engines.
+        **{f"speedup_vs_transformers_{phase}": (statistics.median(r[f"speedup_{phase}"] for r in rounds)
+                                                 if rounds and rounds[0][f"speedup_{phase}"] else None)
+           for phase in ("to_first_tokens", "after_first_tokens")},
         "transformers_rounds": [{k: v for k, v in r.items() if k != "transformers_generate"} for r in rounds],
         "gemm_bound": bound,
         # What a float32 engine at the BLAS GEMM rate could beat transformers by: its seconds over the bound's.
