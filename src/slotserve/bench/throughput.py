@@ -139,7 +139,7 @@ def _transformers_rate(model: torch.nn.Module, engine: LLMEngine, prompts: list[
             "output_tokens_per_s": round(generated / seconds, 2), "first_tokens_seconds": round(first_tokens, 3)}
 
 
-def _phases(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
+def _phases(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | None]:
     """Speed-ups over transformers until every request has its first token (mostly the prompts' prefill)
     and after it (decode)."""
     after_ours, after_theirs = (r["seconds"] - r["first_tokens_seconds"] for r in (ours, theirs))
@@ -209,7 +209,7 @@ def run_throughput(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any
         "speedup_vs_transformers": statistics.median(r["speedup"] for r in rounds) if rounds else None,
         # The run in two phases, medians over the rounds likewise: prefill is large GEMMs in both engines.
         **{f"speedup_vs_transformers_{phase}": (statistics.median(r[f"speedup_{phase}"] for r in rounds)
-                                                 if rounds and rounds[0][f"speedup_{phase}"] else None)
+                                                 if rounds and rounds[0][f"speedup_{phase}"] is not None else None)
            for phase in ("to_first_tokens", "after_first_tokens")},
         "transformers_rounds": [{k: v for k, v in r.items() if k != "transformers_generate"} for r in rounds],
         "gemm_bound": bound,
