@@ -77,6 +77,11 @@ def test_bench_throughput_and_attention_print_json(tiny_qwen3):
     assert bound["flops"] == 4 * (2 * 98_304 * 19 + 2 * 64 * 151_936 * 4 + 1024 * 19 * 20 // 2)
     assert bound["gemm_fp32_GFLOPs"] > 0 and 0 < bound["fraction_of_gemm_bound"] < 1
     assert figures["speedup_vs_transformers_at_gemm_bound"] > 0
+    # No GEMM outruns the multiply-add units: the peak is at least the GEMM's rate (with room for noise).
+    peak = figures["fma_peak"]
+    assert peak["GFLOPs"] > 0.7 * bound["gemm_fp32_GFLOPs"] and 0 < peak["fraction_of_fma_peak"] < 1
+    assert peak["seconds"] == pytest.approx(bound["flops"] / (peak["GFLOPs"] * 1e9), rel=1e-2, abs=1e-3)
+    assert figures["speedup_vs_transformers_at_fma_peak"] > 0
     result = run("bench", "embed", "-m", str(tiny_qwen3), "--kv-cache-memory", "8M", "--num-sentences", "5")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1])["embeddings_per_s"] > 0
@@ -88,6 +93,8 @@ def test_bench_throughput_and_attention_print_json(tiny_qwen3):
     assert kernels["decode_attention"] in ("paged", "batched") and isinstance(kernels["native_small_gemm"], bool)
     assert isinstance(kernels["weights_in_huge_pages"], bool) and kernels["memory_read_torch_alloc_GBps"] > 0
     assert kernels["prefill"]["gemm_bound_GFLOPs"] > 0 and kernels["decode_batched"]["gemm_bound_GFLOPs"] > 0
+    assert kernels["fma_peak_GFLOPs"] > 0.7 * kernels["gemm_fp32_GFLOPs"]
+    assert all(0 < kernels[part]["fraction_of_fma_peak"] < 1 for part in ("prefill", "decode_batched"))
     result = run("bench", "kernels", "-m", str(tiny_qwen3), "--kv-cache-memory", "8M", "--prefill-len", "32",
                  "--batch", "4", "--context-len", "16", "--decode-steps", "2", "--repeats", "1",
                  "--quantization", "int8")

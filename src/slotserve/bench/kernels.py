@@ -1,9 +1,10 @@
-"""`slotserve bench kernels`: this machine's limits (memory read bandwidth, fp32 GEMM rate) and the
-engine's speed as fractions of the bounds they imply.
+"""`slotserve bench kernels`: this machine's limits (memory read bandwidth, fp32 GEMM rate, fp32 multiply-add
+peak) and the engine's speed as fractions of the bounds they imply.
 
 - batch-1 decode streams every weight once per token: bound = bandwidth / weight bytes per token;
 - prefill (one 512-token prompt) and batched decode (32 sequences) are GEMM work: bound = FLOPs of the
-  step (linear layers and attention) / the GEMM rate.
+  step (linear layers and attention) / the GEMM rate; beside it, the same FLOPs as a fraction of the
+  hardware's multiply-add peak (`fma_peak`), which no float32 GEMM library beats.
 
 Each limit is sampled in turns with the figure it bounds (`interleaved`), so both see the same machine.
 """
@@ -11,9 +12,11 @@ Each limit is sampled in turns with the figure it bounds (`interleaved`), so bot
 from __future__ import annotations
 
 import argparse
+import ctypes
 import random
 import statistics
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,11 +26,14 @@ from slotserve import host_memory
 from slotserve.bench.timing import median_seconds, seconds
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.model_runner import ScheduledSeq
+from slotserve.kernels import native
 from slotserve.layers.quantization import Int8Linear
 
 READ_BYTES = 1 << 30
 GEMM_SIZE = 2048
 GEMM_FLOPS = 2 * GEMM_SIZE**3  # of one gemm_pass
+FMA_SOURCE = Path(native.__file__).with_name("fma_peak.c")
+FMA_SECONDS = 0.1  # of one fma_peak pass, about
 
 
 def read_pass(huge_pages: bool = True) -> Callable[[], object]:
@@ -43,6 +49,25 @@ def gemm_pass() -> Callable[[], object]:
     """One fp32 GEMM of GEMM_SIZE squared: the sustained rate of a large shape."""
     a, b = torch.randn(GEMM_SIZE, GEMM_SIZE), torch.randn(GEMM_SIZE, GEMM_SIZE)
     return lambda: a @ b
+
+
+def fma_peak() -> float | None:
+    """FLOP/s of float32 multiply-adds on registers alone on all of torch's threads (kernels/fma_peak.c),
+    the best of three passes of ~FMA_SECONDS; None where the native kernels are not built."""
+    loop = native.function(FMA_SOURCE, "slotserve_fma_loop", (ctypes.c_long, ctypes.c_int, ctypes.c_void_p))
+    if loop is None:
+        return None
+    per_iteration = native.function(FMA_SOURCE, "slotserve_fma_flops_per_iteration", ())()
+    threads, sink = torch.get_num_threads(), ctypes.c_float()
+
+    def timed(iterations: int) -> float:
+        return seconds(lambda: loop(iterations, threads, ctypes.byref(sink)))
+
+    iterations = 1_000_000
+    while (elapsed := timed(iterations)) < FMA_SECONDS / 4:
+        iterations *= 4
+    iterations = int(iterations * FMA_SECONDS / elapsed)
+    return per_iteration * iterations * threads / min(timed(iterations) for _ in range(3))
 
 
 def interleaved(limit: Callable[[], object], work: Callable[[], object], repeats: int) -> tuple[float, float]:
@@ -100,6 +125,7 @@ def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
     core, cfg, runner = engine.core, engine.model_config, engine.runner
     rng = random.Random(0)
     read, gemm = read_pass(), gemm_pass()
+    peak_before = fma_peak()
     bandwidth_4k = READ_BYTES / median_seconds(read_pass(huge_pages=False), 3)
     body, head, weight_bytes = linear_params(core.model)
     kv_per_token = runner.cache_bytes_per_token(cfg, core.dtype)
@@ -145,6 +171,11 @@ def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
         release()
 
     prefill_gemm, batched_gemm = GEMM_FLOPS / prefill_gemm_s, GEMM_FLOPS / batched_gemm_s
+    peak = max(peak_before, fma_peak()) if peak_before else None
+
+    def of_peak(flops_per_s: float) -> dict[str, float]:
+        return {"fraction_of_fma_peak": round(flops_per_s / peak, 3)} if peak else {}
+
     bandwidth = READ_BYTES / read_s
     decode_bound = bandwidth / decode_bytes
     return {
@@ -157,6 +188,7 @@ def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
         "weights_in_huge_pages": core.weights_in_huge_pages,
         "memory_read_GBps": round(bandwidth / 1e9, 1), "memory_read_torch_alloc_GBps": round(bandwidth_4k / 1e9, 1),
         "gemm_fp32_GFLOPs": round(statistics.median([prefill_gemm, batched_gemm]) / 1e9, 1),
+        "fma_peak_GFLOPs": round(peak / 1e9, 1) if peak else None,
         "decode_batch1": {
             "tokens_per_s": round(1 / decode_s, 2), "bytes_per_token_MB": round(decode_bytes / 1e6, 1),
             "bound_tokens_per_s": round(decode_bound, 2), "fraction_of_bound": round(1 / decode_s / decode_bound, 3)},
@@ -164,10 +196,12 @@ def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
             "tokens": args.prefill_len, "tokens_per_s": round(args.prefill_len / prefill_s, 1),
             "GFLOPs": round(prefill_flops / prefill_s / 1e9, 1),
             "gemm_bound_GFLOPs": round(prefill_gemm / 1e9, 1),
-            "fraction_of_gemm_bound": round(prefill_flops / prefill_s / prefill_gemm, 3)},
+            "fraction_of_gemm_bound": round(prefill_flops / prefill_s / prefill_gemm, 3),
+            **of_peak(prefill_flops / prefill_s)},
         "decode_batched": {
             "sequences": args.batch, "context": args.context_len, "step_ms": round(batched_s * 1e3, 1),
             "tokens_per_s": round(args.batch / batched_s, 1), "GFLOPs": round(batched_flops / batched_s / 1e9, 1),
             "gemm_bound_GFLOPs": round(batched_gemm / 1e9, 1),
-            "fraction_of_gemm_bound": round(batched_flops / batched_s / batched_gemm, 3)},
+            "fraction_of_gemm_bound": round(batched_flops / batched_s / batched_gemm, 3),
+            **of_peak(batched_flops / batched_s)},
     }

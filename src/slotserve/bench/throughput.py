@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from slotserve.bench.kernels import GEMM_FLOPS, attention_pair_flops, gemm_pass, linear_params
+from slotserve.bench.kernels import GEMM_FLOPS, attention_pair_flops, fma_peak, gemm_pass, linear_params
 from slotserve.bench.timing import seconds
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.model_runner import ScheduledSeq
@@ -90,22 +90,29 @@ def _gemm_rate() -> float:
     return GEMM_FLOPS / min(seconds(gemm) for _ in range(3))
 
 
-def _gemm_bound(engine: LLMEngine, prompts: list[list[int]], output_len: int, run_seconds: float,
-                rate: float) -> dict[str, Any]:
-    """The batched run's FLOPs and the seconds they take at this machine's fp32 GEMM rate (`rate`: the
-    better of the readings right before and right after the run, since a shared machine has dips that
-    last seconds): a float32 engine whose GEMMs run at the BLAS library's rate finishes the run no faster.
-    (Not the hardware's bound: on a shared Zen 3 a multiply-add loop in registers outran MKL's GEMM 1.2-2x.)
-    Counted: each prompt token and each generated token but the last through the decoder's linear layers,
-    one output-head row per generated token, attention over every query's context."""
+def _run_flops(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> int:
+    """The batched run's FLOPs. Counted: each prompt token and each generated token but the last through the
+    decoder's linear layers, one output-head row per generated token, attention over every query's context."""
     body, head, _ = linear_params(engine.core.model)
     pair = attention_pair_flops(engine.model_config)
     flops = 0
     for prompt in prompts:
         tokens = len(prompt) + output_len - 1
         flops += 2 * body * tokens + 2 * head * output_len + pair * tokens * (tokens + 1) // 2
-    return {"flops": flops, "gemm_fp32_GFLOPs": round(rate / 1e9, 1),
-            "seconds": round(flops / rate, 3), "fraction_of_gemm_bound": round(flops / rate / run_seconds, 3)}
+    return flops
+
+
+def _bounds(flops: int, run_seconds: float, gemm_rate: float, peak: float | None) -> dict[str, Any]:
+    """The seconds the run's FLOPs take at this machine's fp32 GEMM rate (`gemm_bound`: what a float32
+    engine whose GEMMs run at the BLAS library's rate finishes no faster than) and at the hardware's
+    multiply-add peak (`fma_peak`: what no float32 engine beats). Each rate is the better of the readings
+    right before and right after the run: a shared machine has dips that last seconds."""
+    bounds: dict[str, Any] = {"gemm_bound": {
+        "flops": flops, "gemm_fp32_GFLOPs": round(gemm_rate / 1e9, 1), "seconds": round(flops / gemm_rate, 3),
+        "fraction_of_gemm_bound": round(flops / gemm_rate / run_seconds, 3)}}
+    bounds["fma_peak"] = {"GFLOPs": round(peak / 1e9, 1), "seconds": round(flops / peak, 3),
+                          "fraction_of_fma_peak": round(flops / peak / run_seconds, 3)} if peak else None
+    return bounds
 
 
 def _transformers_model(engine: LLMEngine) -> torch.nn.Module:
@@ -174,11 +181,12 @@ def run_throughput(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any
     batched_prompts = _prompts(engine, args, args.num_prompts, rng)
     _run(engine, _prompts(engine, args, 1, rng), 4, one_at_a_time=True)  # warm-up
     fp32_cpu = engine.device.type == "cpu" and engine.dtype == torch.float32 and not engine.config.quantization
-    rate_before = _gemm_rate() if fp32_cpu else 0.0
+    rate_before, peak_before = (_gemm_rate(), fma_peak()) if fp32_cpu else (0.0, None)
     print(f"batched: {args.num_prompts} requests ...", file=sys.stderr)
     batched = _run(engine, batched_prompts, args.output_len, one_at_a_time=False)
-    bound = (_gemm_bound(engine, batched_prompts, args.output_len, batched["seconds"], max(rate_before, _gemm_rate()))
-             if fp32_cpu else None)
+    bounds = (_bounds(_run_flops(engine, batched_prompts, args.output_len), batched["seconds"],
+                      max(rate_before, _gemm_rate()), peak_before and max(peak_before, fma_peak() or 0.0))
+              if fp32_cpu else {"gemm_bound": None, "fma_peak": None})
     rounds = _against_transformers(engine, args, rng, (batched_prompts, batched)) if args.compare_transformers else []
     print(f"one at a time: {args.baseline_prompts} requests ...", file=sys.stderr)
     alone = _run(engine, _prompts(engine, args, args.baseline_prompts, rng), args.output_len, one_at_a_time=True)
@@ -212,10 +220,12 @@ def run_throughput(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any
                                                  if rounds and rounds[0][f"speedup_{phase}"] is not None else None)
            for phase in ("to_first_tokens", "after_first_tokens")},
         "transformers_rounds": [{k: v for k, v in r.items() if k != "transformers_generate"} for r in rounds],
-        "gemm_bound": bound,
-        # What a float32 engine at the BLAS GEMM rate could beat transformers by: its seconds over the bound's.
-        "speedup_vs_transformers_at_gemm_bound": (
-            round(rounds[0]["transformers_generate"]["seconds"] / bound["seconds"], 2) if rounds and bound else None),
+        **bounds,
+        # What a float32 engine at the BLAS GEMM rate, or at the hardware's peak, could beat transformers by:
+        # transformers' seconds over the bound's.
+        **{f"speedup_vs_transformers_at_{name}": (
+            round(rounds[0]["transformers_generate"]["seconds"] / bounds[name]["seconds"], 2)
+            if rounds and bounds[name] else None) for name in ("gemm_bound", "fma_peak")},
         "prefix_cache_hit_rate": round(engine.kv.stats.hit_rate, 3),
         "preemptions": engine.scheduler.num_preemptions,
         "peak_memory_bytes": peak,
