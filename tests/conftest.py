@@ -20,8 +20,10 @@ TINY = dict(
 )
 
 
-def build_tiny_model(path: Path, arch: str, tie: bool = False, rope_scaling: dict | None = None, seed: int = 0):
-    """Saves a tiny random checkpoint of `arch` ("qwen2" | "qwen3") with the real tokenizer; returns the HF model."""
+def build_tiny_model(path: Path, arch: str, tie: bool = False, rope_scaling: dict | None = None, seed: int = 0,
+                     dtype: torch.dtype = torch.float32):
+    """Saves a tiny random checkpoint of `arch` ("qwen2" | "qwen3") with the real tokenizer, its weights in
+    `dtype`; returns the HF model (in float32)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
@@ -35,7 +37,9 @@ def build_tiny_model(path: Path, arch: str, tie: bool = False, rope_scaling: dic
     cfg.eos_token_id = 151645
     model.generation_config.eos_token_id = [151645, 151643]
     model.eval()
-    model.save_pretrained(path)
+    model.to(dtype).save_pretrained(path)
+    if dtype != torch.float32:  # loaded afresh: `to` also rounded the rotary buffers, which a load recomputes
+        model = type(model).from_pretrained(path, dtype=torch.float32).eval()
     if QWEN_TOKENIZER_DIR is not None:
         for f in QWEN_TOKENIZER_DIR.iterdir():
             shutil.copy(f, path / f.name)

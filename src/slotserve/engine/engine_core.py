@@ -75,12 +75,14 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.load_seconds = time.perf_counter() - start
         logger.info("loaded %s (%s, %s, %s, %d threads%s) in %.1f s; KV cache: %d blocks x %d tokens = %d tokens; "
-                    "max_model_len %d; decode attention: %s%s%s%s", config.model, cfg.architecture, self.device,
+                    "max_model_len %d; decode attention: %s%s%s%s%s", config.model, cfg.architecture, self.device,
                     str(self.dtype).removeprefix("torch."), self.cpu.threads,
                     f" on cores {','.join(map(str, self.cpu.cpu_affinity))}" if self.cpu.cpu_affinity else "",
                     self.load_seconds, num_blocks, config.block_size, num_blocks * config.block_size,
                     self.max_model_len, self.runner.decode_mode,
                     "; small-batch GEMM: native" if self.runner.native_gemm else "",
+                    f"; AMX: {self.runner.amx_linears} of {self.runner.linears} linears"
+                    if self.runner.amx_linears else "",
                     "; decode steps: fused" if self.runner.fused else "",
                     "; weights in huge pages" if self.weights_in_huge_pages else "")
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from slotserve import host_memory
 from slotserve.config import ModelConfig
-from slotserve.kernels import rows, small_gemm
+from slotserve.kernels import amx_gemm, rows, small_gemm
 from slotserve.layers.attention import (
     Attention,
     AttentionMetadata,
@@ -17,6 +17,7 @@ from slotserve.layers.attention import (
     gather_max_tokens,
     paged_decode_available,
 )
+from slotserve.layers.linear import Linear
 from slotserve.models.fused_decode import FusedDecode
 
 
@@ -57,6 +58,11 @@ class ModelRunner:
         cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
         self.native_gemm = cpu_fp32 and small_gemm.available()
         self.native_rows = cpu_fp32 and rows.available()
+        # On CPUs with AMX, the linears whose weights are scale x bfloat16 per block run there (layers/linear.py).
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        with torch.inference_mode():
+            self.amx_linears = sum(m.bind_amx() for m in linears) if cpu_fp32 and amx_gemm.available() else 0
+        self.linears = len(linears)
         self.gather_limit = gather_max_tokens(cfg.num_key_value_heads, cfg.head_dim, self.dtype)
         shape = (cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.k_cache = host_memory.zeros(shape, self.dtype, self.device)

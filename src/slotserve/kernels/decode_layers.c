@@ -14,14 +14,22 @@
      normed = rms_norm(residual += x);  x = down(silu(gate) * up)
    x and residual come back as the last layer leaves them; the final norm is the caller's. */
 
+#include "amx_gemm.c"
 #include "decode_attention.c"
 #include "rows.c"
 #include "small_gemm.c"
 
-/* One layer's weights (row-major, float32) and its KV cache ([slots][kv_heads][head_dim]). */
+/* A linear's weight packed for AMX (amx_gemm.c), or NULLs where it is not. */
+typedef struct {
+    const uint16_t *values;
+    const float *scales;
+} slotserve_amx_weight;
+
+/* One layer's weights (row-major, float32), their AMX packings, and its KV cache ([slots][kv_heads][head_dim]). */
 typedef struct {
     const float *input_norm, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *post_norm, *gate_up, *down;
     float *k_cache, *v_cache;
+    slotserve_amx_weight qkv_amx, o_amx, gate_up_amx, down_amx;
 } slotserve_layer;
 
 /* The step: shapes, the rows' rotary tables and cache slots, the attention's paged tables (as for
@@ -36,7 +44,17 @@ typedef struct {
     long seqs, table_width, block_size;
     float *scratch;
     int threads;
+    long amx_min_rows; /* steps of this many rows or more run the AMX-packed linears on AMX */
 } slotserve_decode_step;
+
+/* out = in @ w^T + bias through AMX where the weight is packed and the step has the rows for it (as
+   layers/linear.py decides), else the small GEMM. */
+static int linear(const float *in, const float *w, slotserve_amx_weight amx, const float *bias, float *out, long T,
+                  long N, long K, const slotserve_decode_step *s) {
+    if (amx.values && T >= s->amx_min_rows)
+        return slotserve_amx_gemm(in, amx.values, amx.scales, bias, out, T, N, K, s->threads);
+    return slotserve_small_gemm(in, w, bias, out, T, N, K, s->threads);
+}
 
 int slotserve_decode_scratch(long tokens, long hidden, long intermediate, long heads, long kv_heads,
                               long head_dim) {
@@ -64,7 +82,7 @@ int slotserve_decode_layers(const slotserve_layer *layers, long num_layers, cons
         } else {
             slotserve_rms_norm(x, residual, L->input_norm, normed, T, H, s->eps, threads);
         }
-        if (slotserve_small_gemm(normed, L->qkv, L->qkv_bias, qkv, T, qkv_n, H, threads)) return -1;
+        if (linear(normed, L->qkv, L->qkv_amx, L->qkv_bias, qkv, T, qkv_n, H, s)) return -1;
         if (L->q_norm)
             for (long t = 0; t < T; t++) {
                 float *row = qkv + t * qkv_n;
@@ -82,11 +100,11 @@ int slotserve_decode_layers(const slotserve_layer *layers, long num_layers, cons
                                        s->lens, s->seqs, s->heads, s->kv_heads, hd, s->block_size, s->scale,
                                        threads))
             return -1;
-        if (slotserve_small_gemm(attn, L->o, NULL, o, T, H, q_size, threads)) return -1;
+        if (linear(attn, L->o, L->o_amx, NULL, o, T, H, q_size, s)) return -1;
         slotserve_rms_norm(o, residual, L->post_norm, normed, T, H, s->eps, threads);
-        if (slotserve_small_gemm(normed, L->gate_up, NULL, gate_up, T, 2 * I, H, threads)) return -1;
+        if (linear(normed, L->gate_up, L->gate_up_amx, NULL, gate_up, T, 2 * I, H, s)) return -1;
         slotserve_silu_mul(gate_up, act, T, I, threads);
-        if (slotserve_small_gemm(act, L->down, NULL, x, T, H, I, threads)) return -1;
+        if (linear(act, L->down, L->down_amx, NULL, x, T, H, I, s)) return -1;
     }
     return 0;
 }

@@ -14,12 +14,19 @@ _ARGS = (ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctype
 _SCRATCH_ARGS = (ctypes.c_long,) * 6
 
 
+class AmxWeight(ctypes.Structure):
+    """A linear's AMX packing (kernels/amx_gemm.py), as data pointers (NULL: not packed)."""
+
+    _fields_ = [("values", ctypes.c_void_p), ("scales", ctypes.c_void_p)]
+
+
 class Layer(ctypes.Structure):
-    """One layer's weights and KV cache, as data pointers (NULL: no bias, no q/k norm)."""
+    """One layer's weights and KV cache, as data pointers (NULL: no bias, no q/k norm), and its linears'
+    AMX packings."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm", "gate_up", "down", "k_cache",
-        "v_cache")]
+        "v_cache")] + [(name, AmxWeight) for name in ("qkv_amx", "o_amx", "gate_up_amx", "down_amx")]
 
 
 class Step(ctypes.Structure):
@@ -30,7 +37,7 @@ class Step(ctypes.Structure):
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
                 + [(name, ctypes.c_void_p) for name in ("cos", "sin", "slots", "rows", "block_tables", "lens")]
                 + [(name, ctypes.c_long) for name in ("seqs", "table_width", "block_size")]
-                + [("scratch", ctypes.c_void_p), ("threads", ctypes.c_int)])
+                + [("scratch", ctypes.c_void_p), ("threads", ctypes.c_int), ("amx_min_rows", ctypes.c_long)])
 
 
 def available() -> bool:

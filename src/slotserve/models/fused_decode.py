@@ -7,8 +7,9 @@ had flushed (2.5-5x its warm cost). kernels/decode_layers.c runs all the layers 
 the same order, so a row gets exactly the bits the layer-by-layer path gives it (a test checks).
 
 It takes a step only when every row is a decode row read through the paged kernel (`PagedTables`) and
-there are at most 64 rows (the small GEMM's); models it cannot run (MoE layers, int8 linears, weights
-outside the CPU or not float32) keep the layer-by-layer path.
+there are at most 64 rows (the small GEMM's); linears packed for AMX run there from AMX_MIN_ROWS rows on, as
+in layers/linear.py. Models it cannot run (MoE layers, int8 linears, weights outside the CPU or not float32)
+keep the layer-by-layer path.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import torch
 from torch import nn
 
 from slotserve.kernels import decode_layers
+from slotserve.kernels.amx_gemm import AmxWeight
 from slotserve.kernels.decode_attention import PagedTables
 from slotserve.layers.attention import AttentionMetadata
-from slotserve.layers.linear import NATIVE_ROWS, Linear
+from slotserve.layers.linear import AMX_MIN_ROWS, NATIVE_ROWS, Linear
 from slotserve.models.qwen2 import QwenDecoderLayer, QwenMLP, QwenModel
 
 MAX_TOKENS = NATIVE_ROWS.stop - 1
@@ -32,6 +34,13 @@ def _layer_tensors(layer: QwenDecoderLayer) -> list[torch.Tensor | None]:
             None if attn.q_norm is None else attn.q_norm.weight, None if attn.k_norm is None else attn.k_norm.weight,
             attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
             attn.attn.k_cache, attn.attn.v_cache]
+
+
+def _layer_amx(layer: QwenDecoderLayer) -> list[AmxWeight | None]:
+    """The AMX packings of the layer's qkv, o, gate/up and down weights, where they are current (None: not)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [m.amx if m.amx is not None and m.amx.weight is m.weight and m.amx.bias is m.bias else None
+            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
 
 
 def _runnable(layer: QwenDecoderLayer) -> bool:
@@ -52,13 +61,17 @@ def _runnable(layer: QwenDecoderLayer) -> bool:
 class FusedDecode:
     """The decode steps of one bound model. Built by `bind`; `applies` says whether a step can run here."""
 
-    def __init__(self, model: QwenModel, tensors: list[list[torch.Tensor | None]]) -> None:
+    def __init__(self, model: QwenModel, tensors: list[list[torch.Tensor | None]],
+                 amx: list[list[AmxWeight | None]]) -> None:
         self.model = model
         # Held as well as pointed to (the kernel reads raw pointers), and compared on every step: a layer
-        # whose weights or caches were replaced since (a reload, a quantization) rebinds.
-        self.tensors = tensors
+        # whose weights, packings or caches were replaced since (a reload, a quantization) rebinds.
+        self.tensors, self.amx = tensors, amx
         self.layers = (decode_layers.Layer * len(tensors))(*(
-            decode_layers.Layer(*(None if t is None else t.data_ptr() for t in ts)) for ts in tensors))
+            decode_layers.Layer(*(None if t is None else t.data_ptr() for t in ts),
+                                *(decode_layers.AmxWeight() if a is None else
+                                  decode_layers.AmxWeight(a.values.data_ptr(), a.scales.data_ptr()) for a in packed))
+            for ts, packed in zip(tensors, amx, strict=True)))
         first = model.layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         self.hidden = model.norm.weight.shape[0]
@@ -77,12 +90,13 @@ class FusedDecode:
             return None
         if not all(_runnable(layer) for layer in inner.layers):
             return None
-        return cls(inner, [_layer_tensors(layer) for layer in inner.layers])
+        layers = inner.layers
+        return cls(inner, [_layer_tensors(layer) for layer in layers], [_layer_amx(layer) for layer in layers])
 
     def current(self) -> bool:
         """Whether the model still holds the tensors bound (identity only: a step's worth of checking)."""
-        return all(a is b for layer, bound in zip(self.model.layers, self.tensors, strict=True)
-                   for a, b in zip(_layer_tensors(layer), bound, strict=True))
+        return all(a is b for layer, tensors, amx in zip(self.model.layers, self.tensors, self.amx, strict=True)
+                   for a, b in zip(_layer_tensors(layer) + _layer_amx(layer), tensors + amx, strict=True))
 
     def applies(self, meta: AttentionMetadata, tokens: int) -> bool:
         """Whether this step is one the kernel runs: decode rows only, all read by the paged kernel."""
@@ -102,6 +116,7 @@ class FusedDecode:
             len(input_ids), self.hidden, self.intermediate, self.heads, self.kv_heads, self.head_dim, self.num_slots,
             self.eps, self.scale, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.rows.data_ptr(),
             tables.block_tables.data_ptr(), tables.lens.data_ptr(), tables.rows.shape[0],
-            tables.block_tables.shape[1], meta.block_size, self.scratch.data_ptr(), torch.get_num_threads())
+            tables.block_tables.shape[1], meta.block_size, self.scratch.data_ptr(), torch.get_num_threads(),
+            AMX_MIN_ROWS)
         decode_layers.decode_layers(self.layers, step, x.data_ptr(), residual.data_ptr())
         return self.model.norm.add_and_norm(x, residual)[0]

@@ -1,0 +1,73 @@
+"""Float32 linears through AMX with exact products (amx_gemm.c), called from Python.
+
+`AmxWeight.pack(weight, bias)` packs a float32 weight that is, in every block of 32 along a row, one scale
+times bfloat16 values (a GGUF's Q8_0/Q5_0 tensors, a bfloat16 checkpoint loaded in float32), or answers None
+for any other weight; calling the packed weight is F.linear. `available()` says whether this CPU and kernel
+run AMX (Linux asks each process to request the tile registers; `SLOTSERVE_AMX=0` turns the path off).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from slotserve import host_memory
+from slotserve.kernels import native
+
+SOURCE = Path(__file__).with_name("amx_gemm.c")
+BLOCK, PAIR = 32, 32  # k per scale; weight rows per packed pair of tiles
+_PACK_ARGS = (ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
+_GEMM_ARGS = (ctypes.c_void_p,) * 5 + (ctypes.c_long,) * 3 + (ctypes.c_int,)
+
+
+@functools.cache
+def available() -> bool:
+    if os.environ.get("SLOTSERVE_AMX", "1") == "0":
+        return False
+    init = native.function(SOURCE, "slotserve_amx_init", ())
+    return init is not None and init() == 0
+
+
+class AmxWeight:
+    """One linear's weight (and bias) packed for the AMX GEMM; holds the float32 weight it was packed from,
+    which is what a caller compares to see whether the module still holds it."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, values: torch.Tensor,
+                 scales: torch.Tensor) -> None:
+        self.weight, self.bias, self.values, self.scales = weight, bias, values, scales
+        self.n, self.k = weight.shape
+        self._gemm = native.require(native.function(SOURCE, "slotserve_amx_gemm", _GEMM_ARGS), SOURCE)
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> AmxWeight | None:
+        """The packed weight, or None where it is not scale x bfloat16 in every block (or AMX is not here)."""
+        if not available() or weight.dim() != 2 or weight.shape[1] % BLOCK or not native.takes(weight):
+            return None
+        if bias is not None and (bias.shape != weight.shape[:1] or not native.takes(bias)):
+            raise ValueError(f"amx_gemm: bias {tuple(bias.shape)} does not fit weight {tuple(weight.shape)}")
+        weight = weight.contiguous()
+        n, k = weight.shape
+        pairs = -(-n // PAIR)
+        values = host_memory.zeros((pairs * PAIR * k,), torch.int16, weight.device)  # what a step streams
+        scales = torch.empty(pairs * PAIR * (k // BLOCK))
+        pack = native.require(native.function(SOURCE, "slotserve_amx_pack", _PACK_ARGS), SOURCE)
+        if pack(weight.data_ptr(), n, k, values.data_ptr(), scales.data_ptr(), torch.get_num_threads()):
+            return None
+        return cls(weight, None if bias is None else bias.contiguous(), values, scales)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ weight^T + bias."""
+        if x.dim() != 2 or x.shape[1] != self.k or not native.takes(x):
+            raise ValueError(f"amx_gemm: x {tuple(x.shape)} {x.dtype} on {x.device} does not multiply a float32 "
+                             f"CPU weight of {self.k} columns")
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], self.n)
+        if self._gemm(x.data_ptr(), self.values.data_ptr(), self.scales.data_ptr(),
+                      None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), x.shape[0], self.n,
+                      self.k, torch.get_num_threads()):
+            raise MemoryError(f"amx_gemm: no memory to split a {tuple(x.shape)} input")
+        return out

@@ -1,0 +1,107 @@
+"""The AMX GEMM (kernels/amx_gemm.c): which weights it packs, that its products are exact and its sums as
+close to float64 as a float32 GEMM's, that a row's bits do not depend on its batch, and the engine on it:
+parity with transformers and the fused decode step's bits. Skipped where AMX does not run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
+from slotserve.kernels import amx_gemm
+from slotserve.layers.linear import AMX_MIN_ROWS
+from slotserve.models.loader import load_model
+from tests.conftest import build_tiny_model
+
+pytestmark = pytest.mark.skipif(not amx_gemm.available(), reason="no AMX here")
+
+
+def _block_scaled(n: int, k: int, levels: int, seed: int = 0) -> torch.Tensor:
+    """A GGUF-like weight: per block of 32 along a row, an fp16 scale times integers in [-levels, levels)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = (torch.rand(n, k // 32, 1, generator=g) * 0.02 + 1e-3).half().float()
+    return (scale * torch.randint(-levels, levels, (n, k // 32, 32), generator=g).float()).reshape(n, k)
+
+
+def test_packs_block_scaled_and_bfloat16_weights_only():
+    assert amx_gemm.AmxWeight.pack(_block_scaled(40, 96, 16)) is not None  # Q5_0-like
+    assert amx_gemm.AmxWeight.pack(_block_scaled(40, 96, 127)) is not None  # Q8_0-like
+    assert amx_gemm.AmxWeight.pack(torch.randn(40, 96).bfloat16().float()) is not None
+    assert amx_gemm.AmxWeight.pack(torch.randn(40, 96)) is None  # float32 values need more than 8 bits
+    assert amx_gemm.AmxWeight.pack(torch.randn(40, 100).bfloat16().float()) is None  # K not in blocks of 32
+    w = _block_scaled(40, 96, 16)
+    w[7, 50] = 1e-40  # a subnormal (AMX reads those as zero)
+    assert amx_gemm.AmxWeight.pack(w) is None
+    w = _block_scaled(40, 96, 16)
+    w[3, 3] += w[3, 3] * 2**-20  # one value off its block's grid
+    assert amx_gemm.AmxWeight.pack(w) is None
+
+
+@pytest.mark.parametrize("n,k", [(40, 96), (1152, 896), (70, 4864)])
+@pytest.mark.parametrize("rows", [1, 13, 32, 45])
+def test_as_close_to_float64_as_a_float32_gemm(n, k, rows):
+    w, bias, x = _block_scaled(n, k, 16), torch.randn(n), torch.randn(rows, k)
+    exact = x.double() @ w.double().T + bias.double()
+    ours = amx_gemm.AmxWeight.pack(w, bias)(x)
+    fp32 = torch.nn.functional.linear(x, w, bias)
+    err, fp32_err = ((y.double() - exact).abs().max().item() for y in (ours, fp32))
+    assert err <= 2 * fp32_err + 1e-6
+
+
+def test_a_row_gets_the_same_bits_in_any_batch():
+    w = torch.randn(100, 128).bfloat16().float()
+    packed = amx_gemm.AmxWeight.pack(w, torch.randn(100))
+    x = torch.randn(70, 128)
+    whole = packed(x)
+    for rows in (1, 7, 31, 32, 33, 64):
+        assert torch.equal(packed(x[:rows]), whole[:rows])
+    assert torch.equal(packed(x[40:41])[0], whole[40])
+
+
+def test_bad_input_is_refused():
+    packed = amx_gemm.AmxWeight.pack(torch.randn(64, 64).bfloat16().float())
+    with pytest.raises(ValueError, match="x"):
+        packed(torch.randn(3, 65))
+    with pytest.raises(ValueError, match="bias"):
+        amx_gemm.AmxWeight.pack(torch.randn(64, 64).bfloat16().float(), torch.randn(63))
+
+
+def _runner(path) -> ModelRunner:
+    return ModelRunner(*load_model(path, torch.float32, torch.device("cpu")), num_blocks=64, block_size=4)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_a_bfloat16_checkpoint_runs_on_amx_and_matches_transformers(tmp_path, arch):
+    hf = build_tiny_model(tmp_path, arch, dtype=torch.bfloat16)
+    runner = _runner(tmp_path)
+    assert runner.amx_linears == runner.linears > 0 and runner.fused is not None
+    prompt = [9707, 11, 1879, 0, 358, 1079, 264, 1632, 17, 151644, 77091, 198, 40, 2776]  # 14 rows: AMX
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(AMX_MIN_ROWS)]
+    ours = runner.execute([ScheduledSeq(prompt, 0, tables[0], logits="all")])[0]
+    assert (ours - ref).abs().max().item() <= 1e-4
+    # A decode step of AMX_MIN_ROWS sequences (the fused step, on AMX): each row as transformers has it.
+    for table in tables[1:]:
+        runner.execute([ScheduledSeq(prompt[:10], 0, table, logits="none")])
+    runner.execute([ScheduledSeq(prompt[10:13], 10, tables[0], logits="none")])
+    rows = runner.execute([ScheduledSeq([prompt[13]], 13, tables[0])]
+                          + [ScheduledSeq([prompt[10]], 10, t) for t in tables[1:]])
+    assert (rows[0][0] - ref[13]).abs().max().item() <= 1e-4
+    with torch.no_grad():
+        short = hf(torch.tensor([prompt[:11]])).logits[0, -1]
+    assert all((r[0] - short).abs().max().item() <= 1e-4 for r in rows[1:])
+
+
+def test_the_fused_step_on_amx_has_the_layer_paths_bits(tmp_path):
+    build_tiny_model(tmp_path, "qwen2", dtype=torch.bfloat16)
+    fused, layers = _runner(tmp_path), _runner(tmp_path)
+    layers.fused = None
+    for rows in (AMX_MIN_ROWS - 1, AMX_MIN_ROWS, 20):  # the FMA kernels, then AMX
+        tables = [list(range(3 * i, 3 * i + 3)) for i in range(rows)]
+        for runner in (fused, layers):
+            runner.execute([ScheduledSeq([100 + i, 7, 9], 0, t, logits="none") for i, t in enumerate(tables)])
+        step = [ScheduledSeq([5 + i], 3, t) for i, t in enumerate(tables)]
+        a, b = fused.execute(step), layers.execute(step)
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert torch.equal(fused.k_cache, layers.k_cache) and torch.equal(fused.v_cache, layers.v_cache)
