@@ -4,7 +4,8 @@ peak) and the engine's speed as fractions of the bounds they imply.
 - batch-1 decode streams every weight once per token: bound = bandwidth / weight bytes per token;
 - prefill (one 512-token prompt) and batched decode (32 sequences) are GEMM work: bound = FLOPs of the
   step (linear layers and attention) / the GEMM rate; beside it, the same FLOPs as a fraction of the
-  hardware's multiply-add peak (`fma_peak`), which no float32 GEMM library beats.
+  hardware's multiply-add peak (`fma_peak`), which no float32 GEMM on the vector units beats (linears on
+  AMX, kernels/amx_gemm.c, can).
 
 Each limit is sampled in turns with the figure it bounds (`interleaved`), so both see the same machine.
 """

@@ -105,8 +105,9 @@ def _run_flops(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> 
 def _bounds(flops: int, run_seconds: float, gemm_rate: float, peak: float | None) -> dict[str, Any]:
     """The seconds the run's FLOPs take at this machine's fp32 GEMM rate (`gemm_bound`: what a float32
     engine whose GEMMs run at the BLAS library's rate finishes no faster than) and at the hardware's
-    multiply-add peak (`fma_peak`: what no float32 engine beats). Each rate is the better of the readings
-    right before and right after the run: a shared machine has dips that last seconds."""
+    multiply-add peak (`fma_peak`: what no float32 engine on the vector units beats; linears on AMX can).
+    Each rate is the better of the readings right before and right after the run: a shared machine has
+    dips that last seconds."""
     bounds: dict[str, Any] = {"gemm_bound": {
         "flops": flops, "gemm_fp32_GFLOPs": round(gemm_rate / 1e9, 1), "seconds": round(flops / gemm_rate, 3),
         "fraction_of_gemm_bound": round(flops / gemm_rate / run_seconds, 3)}}

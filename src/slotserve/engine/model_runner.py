@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,10 @@ from slotserve.layers.attention import (
 )
 from slotserve.layers.linear import Linear
 from slotserve.models.fused_decode import FusedDecode
+from slotserve.models.loader import available_memory
+
+log = logging.getLogger(__name__)
+AMX_BYTES_PER_WEIGHT = 2 + 4 / 32  # a bfloat16 value, and a float32 scale per block of 32
 
 
 @dataclass
@@ -35,6 +40,19 @@ class ScheduledSeq:
     def __post_init__(self) -> None:
         if self.logits not in ("last", "all", "hidden", "none"):
             raise ValueError(f"logits: must be 'last', 'all', 'hidden' or 'none', got {self.logits!r}")
+
+
+def _bind_amx(linears: list[Linear]) -> int:
+    """Packs for AMX the linears whose weights allow it (layers/linear.py), unless their packed copies, kept
+    beside the float32 weights, could take over half the memory still available; how many it packed."""
+    need = AMX_BYTES_PER_WEIGHT * sum(m.weight.numel() for m in linears)
+    available = available_memory(torch.device("cpu")).available
+    if need > available / 2:
+        log.warning("AMX off: packing the linears could take %.1f GiB of the %.1f GiB available", need / 2**30,
+                    available / 2**30)
+        return 0
+    with torch.inference_mode():
+        return sum(m.bind_amx() for m in linears)
 
 
 class KVCacheFullError(RuntimeError):
@@ -60,8 +78,7 @@ class ModelRunner:
         self.native_rows = cpu_fp32 and rows.available()
         # On CPUs with AMX, the linears whose weights are scale x bfloat16 per block run there (layers/linear.py).
         linears = [m for m in model.modules() if isinstance(m, Linear)]
-        with torch.inference_mode():
-            self.amx_linears = sum(m.bind_amx() for m in linears) if cpu_fp32 and amx_gemm.available() else 0
+        self.amx_linears = _bind_amx(linears) if cpu_fp32 and amx_gemm.available() else 0
         self.linears = len(linears)
         self.gather_limit = gather_max_tokens(cfg.num_key_value_heads, cfg.head_dim, self.dtype)
         shape = (cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)

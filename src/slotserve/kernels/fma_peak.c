@@ -1,5 +1,6 @@
-/* The hardware's float32 multiply-add rate: what no float32 GEMM can beat on this machine, where a BLAS
-   library's GEMM measures only what that library reaches (on a 2-vCPU Xeon with AVX-512, this loop ran at
+/* The hardware's float32 multiply-add rate: what no float32 GEMM on the vector units can beat on this
+   machine (AMX's tile units, amx_gemm.c, are another matter), where a BLAS library's GEMM measures only what
+   that library reaches (on a 2-vCPU Xeon with AVX-512, this loop ran at
    328 GFLOP/s and MKL's GEMM at the default model's prefill shapes at 188-262).
 
    Every thread runs CHAINS independent chains of vector multiply-adds on registers alone: enough chains to
