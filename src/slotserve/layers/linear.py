@@ -11,11 +11,11 @@ Where the kernel cannot be built (no C compiler or OpenMP), 16..64 rows go throu
 which is 1.17x faster than x @ W^T there (457 -> 391 ms on the 32-sequence decode step).
 
 On CPUs with AMX, a weight that is one scale times bfloat16 values in every block of 32 along a row (a
-GGUF's Q8_0/Q5_0 tensors, a bfloat16 checkpoint in float32) runs every row count through AMX instead, with
-exact products and float32 sums (kernels/amx_gemm.c), from AMX_MIN_ROWS rows on; `bind_amx` packs it, once,
-where it can. Fewer rows stay on the FMA kernel, which streams its float32 weights faster than AMX's fixed
-work per tile of 32 rows goes (the default model's gate/up weight, 24 copies in huge pages, Xeon with 2
-threads: 1 row 2.4 vs 2.7 ms, 8 rows 3.5 vs 3.1, 12 rows 4.1 vs 3.2, 32 rows 5.3 vs 3.6, 64 rows 10.1 vs 6.3).
+GGUF's Q8_0/Q5_0 tensors, a bfloat16 checkpoint in float32) runs through AMX from AMX_MIN_ROWS rows on,
+with exact products and float32 sums (kernels/amx_gemm.c); `bind_amx` packs it, once, where it can. Fewer
+rows stay on the FMA kernel, which streams its float32 weights faster than AMX's fixed work per tile of 32
+rows goes (the default model's gate/up weight, 24 copies in huge pages, Xeon with 2 threads: 1 row 2.4 vs
+2.7 ms, 8 rows 3.5 vs 3.1, 12 rows 4.1 vs 3.2, 32 rows 5.3 vs 3.6, 64 rows 10.1 vs 6.3).
 
 Other prefill rows (over 64) go through oneDNN's matmul where torch has it, straight from the checkpoint's
 weight: on an AMD EPYC (2 threads, the default model's four shapes at 512 rows, same run) 134 vs 105
@@ -56,11 +56,16 @@ class Linear(nn.Linear):
         self.amx = amx_gemm.AmxWeight.pack(self.weight, self.bias)
         return self.amx is not None
 
+    def current_amx(self) -> amx_gemm.AmxWeight | None:
+        """The AMX packing of this layer's current weight and bias (None: none, or they were replaced since)."""
+        amx = self.amx
+        return amx if amx is not None and amx.weight is self.weight and amx.bias is self.bias else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or not native.takes(x, self.weight):
             return super().forward(x)
-        rows, amx = x.shape[0], self.amx
-        if rows >= AMX_MIN_ROWS and amx is not None and amx.weight is self.weight and amx.bias is self.bias:
+        rows = x.shape[0]
+        if rows >= AMX_MIN_ROWS and (amx := self.current_amx()) is not None:
             return amx(x)
         if rows in NATIVE_ROWS and small_gemm.available() and self.weight.is_contiguous():
             gemm = self._gemm

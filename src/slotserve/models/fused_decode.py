@@ -39,8 +39,7 @@ def _layer_tensors(layer: QwenDecoderLayer) -> list[torch.Tensor | None]:
 def _layer_amx(layer: QwenDecoderLayer) -> list[AmxWeight | None]:
     """The AMX packings of the layer's qkv, o, gate/up and down weights, where they are current (None: not)."""
     attn, mlp = layer.self_attn, layer.mlp
-    return [m.amx if m.amx is not None and m.amx.weight is m.weight and m.amx.bias is m.bias else None
-            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    return [m.current_amx() for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
 
 
 def _runnable(layer: QwenDecoderLayer) -> bool:
