@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
 from slotserve.kernels import amx_gemm
-from slotserve.layers.linear import AMX_MIN_ROWS
+from slotserve.layers.linear import Linear
 from slotserve.models.loader import load_model
 from tests.conftest import build_tiny_model
 
@@ -23,11 +24,47 @@ def _block_scaled(n: int, k: int, levels: int, seed: int = 0) -> torch.Tensor:
     return (scale * torch.randint(-levels, levels, (n, k // 32, 32), generator=g).float()).reshape(n, k)
 
 
-def test_packs_block_scaled_and_bfloat16_weights_only():
-    assert amx_gemm.AmxWeight.pack(_block_scaled(40, 96, 16)) is not None  # Q5_0-like
-    assert amx_gemm.AmxWeight.pack(_block_scaled(40, 96, 127)) is not None  # Q8_0-like
-    assert amx_gemm.AmxWeight.pack(torch.randn(40, 96).bfloat16().float()) is not None
-    assert amx_gemm.AmxWeight.pack(torch.randn(40, 96)) is None  # float32 values need more than 8 bits
+def _q6_k(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """A Q6_K-like weight: per 16 values along a row, an fp16 scale times an int8 one times integers in
+    [-32, 32) (per block of 32: a scale times values of up to 13 bits, two bfloat16 parts)."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, 1, 1, generator=g) * 0.02 + 1e-3).half().float()
+    sc = torch.randint(-127, 128, (n, k // 32, 2, 1), generator=g).float()
+    return (d * sc * torch.randint(-32, 32, (n, k // 32, 2, 16), generator=g).float()).reshape(n, k)
+
+
+def _q4_k(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """A Q4_K-like weight: per block of 32 along a row, a * q - c with a and c fp16 scales times 6-bit
+    integers and q in [0, 16): a scale times one bfloat16 plus an offset. (Blocks where a * q - c is not
+    exactly a float32 drop their c, as GGUF's dequantized blocks are exact where they pack.)"""
+    g = torch.Generator().manual_seed(seed)
+
+    def scale() -> torch.Tensor:
+        fp16 = (torch.rand(n, k // 32, 1, generator=g) * 0.02 + 1e-3).half().double()
+        return fp16 * torch.randint(1, 64, (n, k // 32, 1), generator=g).double()
+
+    a, c = scale(), scale()
+    w = a * torch.randint(0, 16, (n, k // 32, 32), generator=g).double() - c
+    exact = (w.float().double() == w).all(-1, keepdim=True)
+    return torch.where(exact, w, w + c).float().reshape(n, k)
+
+
+WEIGHTS = {"q5_0": lambda n, k: _block_scaled(n, k, 16), "q6_k": _q6_k, "q4_k": _q4_k}
+
+
+def _form(w: torch.Tensor) -> tuple[int, bool] | None:
+    packed = amx_gemm.AmxWeight.pack(w)
+    return None if packed is None else (packed.form.parts, packed.form.offset)
+
+
+def test_packs_each_form_and_nothing_else():
+    assert _form(_block_scaled(40, 96, 16)) == (1, False)  # Q5_0-like
+    assert _form(_block_scaled(40, 96, 127)) == (1, False)  # Q8_0-like
+    assert _form(torch.randn(40, 96).bfloat16().float()) == (1, False)
+    assert _form(_q4_k(40, 96)) == (1, True)
+    assert _form(_q6_k(40, 96)) == (2, False)
+    assert _form(torch.randn(40, 96).half().float()) == (2, False)
+    assert amx_gemm.AmxWeight.pack(torch.randn(40, 96)) is None  # float32 values need more than 16 bits
     assert amx_gemm.AmxWeight.pack(torch.randn(40, 100).bfloat16().float()) is None  # K not in blocks of 32
     w = _block_scaled(40, 96, 16)
     w[7, 50] = 1e-40  # a subnormal (AMX reads those as zero)
@@ -35,12 +72,16 @@ def test_packs_block_scaled_and_bfloat16_weights_only():
     w = _block_scaled(40, 96, 16)
     w[3, 3] += w[3, 3] * 2**-20  # one value off its block's grid
     assert amx_gemm.AmxWeight.pack(w) is None
+    w = _q4_k(40, 96)
+    w[5, 40] = w[5, 41] + w[5, 41] * 2**-20  # one value off its block's grid, above the block's offset
+    assert amx_gemm.AmxWeight.pack(w) is None
 
 
+@pytest.mark.parametrize("kind", WEIGHTS)
 @pytest.mark.parametrize("n,k", [(40, 96), (1152, 896), (70, 4864)])
 @pytest.mark.parametrize("rows", [1, 13, 32, 45])
-def test_as_close_to_float64_as_a_float32_gemm(n, k, rows):
-    w, bias, x = _block_scaled(n, k, 16), torch.randn(n), torch.randn(rows, k)
+def test_as_close_to_float64_as_a_float32_gemm(kind, n, k, rows):
+    w, bias, x = WEIGHTS[kind](n, k), torch.randn(n), torch.randn(rows, k)
     exact = x.double() @ w.double().T + bias.double()
     ours = amx_gemm.AmxWeight.pack(w, bias)(x)
     fp32 = torch.nn.functional.linear(x, w, bias)
@@ -48,14 +89,31 @@ def test_as_close_to_float64_as_a_float32_gemm(n, k, rows):
     assert err <= 2 * fp32_err + 1e-6
 
 
-def test_a_row_gets_the_same_bits_in_any_batch():
-    w = torch.randn(100, 128).bfloat16().float()
-    packed = amx_gemm.AmxWeight.pack(w, torch.randn(100))
+@pytest.mark.parametrize("kind", WEIGHTS)
+def test_a_row_gets_the_same_bits_in_any_batch(kind):
+    packed = amx_gemm.AmxWeight.pack(WEIGHTS[kind](100, 128), torch.randn(100))
     x = torch.randn(70, 128)
     whole = packed(x)
     for rows in (1, 7, 31, 32, 33, 64):
         assert torch.equal(packed(x[:rows]), whole[:rows])
     assert torch.equal(packed(x[40:41])[0], whole[40])
+
+
+def test_a_linear_runs_on_amx_for_the_rows_its_form_allows():
+    for w, most in ((_q4_k(64, 96), 1000), (_q6_k(64, 96), amx_gemm.FORMS[2].max_rows)):
+        layer = Linear(96, 64, bias=False).requires_grad_(False)
+        layer.weight.data.copy_(w)
+        assert layer.bind_amx()
+        packed = layer.amx
+        assert not packed.runs(amx_gemm.MIN_ROWS - 1) and packed.runs(amx_gemm.MIN_ROWS) and packed.runs(most)
+        for rows in (amx_gemm.MIN_ROWS - 1, amx_gemm.MIN_ROWS, most, most + 1):
+            x = torch.randn(rows, 96)
+            with torch.no_grad():
+                ours = layer(x)
+                layer.amx = None
+                unpacked = layer(x)
+                layer.amx = packed
+            assert torch.equal(ours, packed(x) if packed.runs(rows) else unpacked)
 
 
 def test_bad_input_is_refused():
@@ -78,10 +136,10 @@ def test_a_bfloat16_checkpoint_runs_on_amx_and_matches_transformers(tmp_path, ar
     prompt = [9707, 11, 1879, 0, 358, 1079, 264, 1632, 17, 151644, 77091, 198, 40, 2776]  # 14 rows: AMX
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
-    tables = [list(range(4 * i, 4 * i + 4)) for i in range(AMX_MIN_ROWS)]
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(amx_gemm.MIN_ROWS)]
     ours = runner.execute([ScheduledSeq(prompt, 0, tables[0], logits="all")])[0]
     assert (ours - ref).abs().max().item() <= 1e-4
-    # A decode step of AMX_MIN_ROWS sequences (the fused step, on AMX): each row as transformers has it.
+    # A decode step of amx_gemm.MIN_ROWS sequences (the fused step, on AMX): each row as transformers has it.
     for table in tables[1:]:
         runner.execute([ScheduledSeq(prompt[:10], 0, table, logits="none")])
     runner.execute([ScheduledSeq(prompt[10:13], 10, tables[0], logits="none")])
@@ -95,9 +153,16 @@ def test_a_bfloat16_checkpoint_runs_on_amx_and_matches_transformers(tmp_path, ar
 
 def test_the_fused_step_on_amx_has_the_layer_paths_bits(tmp_path):
     build_tiny_model(tmp_path, "qwen2", dtype=torch.bfloat16)
+    weights = load_file(tmp_path / "model.safetensors")  # down weights as GGUF's Q6_K and Q4_K tensors are
+    for i, make in enumerate((_q6_k, _q4_k)):
+        name = f"model.layers.{i}.mlp.down_proj.weight"
+        weights[name] = make(*weights[name].shape, seed=i)  # float32: a bfloat16 would round Q6_K's values
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     fused, layers = _runner(tmp_path), _runner(tmp_path)
+    downs = [layer.mlp.down_proj.amx.form for layer in fused.model.model.layers[:2]]
+    assert [(f.parts, f.offset) for f in downs] == [(2, False), (1, True)]
     layers.fused = None
-    for rows in (AMX_MIN_ROWS - 1, AMX_MIN_ROWS, 20):  # the FMA kernels, then AMX
+    for rows in (amx_gemm.MIN_ROWS - 1, amx_gemm.MIN_ROWS, 20):  # the FMA kernels, then AMX
         tables = [list(range(3 * i, 3 * i + 3)) for i in range(rows)]
         for runner in (fused, layers):
             runner.execute([ScheduledSeq([100 + i, 7, 9], 0, t, logits="none") for i, t in enumerate(tables)])

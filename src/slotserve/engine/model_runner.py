@@ -23,7 +23,6 @@ from slotserve.models.fused_decode import FusedDecode
 from slotserve.models.loader import available_memory
 
 log = logging.getLogger(__name__)
-AMX_BYTES_PER_WEIGHT = 2 + 4 / 32  # a bfloat16 value, and a float32 scale per block of 32
 
 
 @dataclass
@@ -45,7 +44,7 @@ class ScheduledSeq:
 def _bind_amx(linears: list[Linear]) -> int:
     """Packs for AMX the linears whose weights allow it (layers/linear.py), unless their packed copies, kept
     beside the float32 weights, could take over half the memory still available; how many it packed."""
-    need = AMX_BYTES_PER_WEIGHT * sum(m.weight.numel() for m in linears)
+    need = amx_gemm.BYTES_PER_WEIGHT * sum(m.weight.numel() for m in linears)
     available = available_memory(torch.device("cpu")).available
     if need > available / 2:
         log.warning("AMX off: packing the linears could take %.1f GiB of the %.1f GiB available", need / 2**30,

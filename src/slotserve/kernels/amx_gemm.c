@@ -2,22 +2,25 @@
    out[M][N] = x[M][K] @ w[N][K]^T (+ bias[N]).
 
    AMX multiplies bfloat16 tiles and sums the products in float32. Two facts make that a float32 GEMM here:
-   - Many float32 weights are, in each block of 32 along a row, one float32 scale times bfloat16 values: a
-     GGUF's Q8_0 and Q5_0 blocks (an fp16 scale times small integers) and every bfloat16 checkpoint loaded
-     in float32 (scale 1) are. `pack` finds each block's scale and keeps the bfloat16 values, or says the
-     weight is not of that form (then the caller keeps its float32 path).
+   - Most float32 weights of a quantized or low-precision checkpoint are, in each block of 32 along a row,
+     w = scale * v (+ offset), with v one or two bfloat16 values (8 or 16 significant bits):
+       GGUF Q8_0/Q5_0/Q4_0 blocks and bfloat16 checkpoints: scale * one bfloat16;
+       Q6_K blocks (per-16 scales under a per-block one) and float16 checkpoints: scale * two bfloat16 parts;
+       Q4_K/Q5_K blocks (a scale and a minimum): scale * one bfloat16 + offset.
+     `pack` finds each block's scale (and offset), and keeps the bfloat16 values, or says the weight has no
+     such form (then the caller keeps its float32 path).
    - A float32 activation is exactly the sum of three bfloat16 parts (8 + 8 + 8 significant bits).
-   So each block's sum is three tile products of exact bfloat16 x bfloat16 terms, summed in float32, then
-   scaled and added up across blocks with fused multiply-adds: the same rounding, term by term, as a float32
-   GEMM's sums, and measured closer to the float64 result than our FMA kernel (small_gemm.c) on the default
-   model's shapes. The weights stream at 2 bytes a value instead of 4.
+   So each block's sum is tile products of exact bfloat16 x bfloat16 terms, summed in float32, then scaled
+   (plus the offset times the block's sum of x) and added up across blocks with fused multiply-adds: the
+   same rounding, term by term, as a float32 GEMM's sums, and measured closer to the float64 result than our
+   FMA kernel (small_gemm.c) on the default model's shapes. The weights stream at 2 or 4 bytes a value.
 
    A row's result depends on that row alone (the batch is cut into tiles of rows, padded with zero rows), so
    its bits are the same in any batch. They are not the bits of the float32 FMA kernels.
 
-   Layout of a packed weight: rows in pairs of 16-row tiles; for each pair and each block of 32 along K, the
-   two tiles' values as AMX wants them (bfloat16 pairs along K, [16 k-pairs][16 rows][2]), 1024 values; and
-   the pair's 32 scales per block. Rows past N are zero. */
+   Layout of a packed weight: rows in pairs of 16-row tiles; for each pair, each block of 32 along K and
+   each part of v, the two tiles' values as AMX wants them (bfloat16 pairs along K, [16 k-pairs][16 rows][2]),
+   1024 values; and the pair's 32 scales (and offsets) per block. Rows past N are zero. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,6 +29,15 @@
 #define BLOCK 32 /* k per block: one tile row of bfloat16 */
 #define TILE 16  /* rows of a tile, and outputs of a weight tile */
 #define PAIR 32  /* outputs of the two weight tiles multiplied together */
+#define GROUP 4  /* blocks whose tile sums are scaled together */
+
+/* A packed weight (slotserve_amx_pack's buffers); offsets NULL where the blocks have none. */
+typedef struct {
+    const uint16_t *values;
+    const float *scales, *offsets;
+    int parts;     /* bfloat16 parts per value: 1 or 2 */
+    long min_rows, max_rows; /* the rows a call runs through this packing (others take the float32 path) */
+} slotserve_amx_weight;
 
 static uint32_t float_bits(float f) {
     uint32_t u;
@@ -42,59 +54,86 @@ static uint32_t gcd(uint32_t a, uint32_t b) {
     return a;
 }
 
-/* The scale s of one block of BLOCK weights such that every w[i] / s is a bfloat16 value and s times it gives
-   w[i] back; 0 where there is none. The odd parts of the values' significands share their greatest common
-   divisor g: w[i] / g is exact, and a bfloat16 where its odd part is below 2^8. */
-static float block_scale(const float *w) {
+/* f with its significand cut to bfloat16's 8 bits. */
+static float bf16_top(float f) {
+    const uint32_t u = float_bits(f) & 0xffff0000u;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static int normal_or_zero(float f) {
+    const uint32_t e = (float_bits(f) >> 23) & 0xff;
+    return f == 0.0f || (e != 0 && e != 0xff);
+}
+
+/* Fits one block of BLOCK weights as w[i] = *scale * v[i] + *offset exactly, each v[i] `parts` bfloat16
+   parts (the offset is the block's least value where asked for, else 0). Returns 0 where there is no fit.
+   The odd parts of the significands of w[i] - offset share their greatest common divisor g: (w[i] - offset)
+   / g is exact, and fits where its significand has at most 8 (16) bits. */
+static int block_fit(const float *w, int parts, int with_offset, float *scale, float *offset, float *v) {
+    float o = 0.0f;
+    if (with_offset)
+        for (int i = 0; i < BLOCK; i++) o = i == 0 || w[i] < o ? w[i] : o;
     uint32_t g = 0;
     for (int i = 0; i < BLOCK; i++) {
-        const uint32_t u = float_bits(w[i]), e = (u >> 23) & 0xff, m = u & 0x7fffff;
-        if (e == 0 && m == 0)
+        const double d = (double)w[i] - o;
+        v[i] = (float)d;
+        if ((double)v[i] != d || !normal_or_zero(v[i]) || !normal_or_zero(w[i])) /* AMX reads subnormals as 0 */
+            return 0;
+        const uint32_t m = float_bits(v[i]) & 0x7fffff;
+        if (v[i] == 0.0f)
             continue;
-        if (e == 0 || e == 0xff) /* subnormal (AMX reads those as zero), infinite or NaN */
-            return 0.0f;
         const uint32_t odd = (m | 0x800000) >> __builtin_ctz(m | 0x800000);
         if (!g || odd % g)
             g = gcd(g, odd);
     }
-    if (!g)
-        return 1.0f;
-    const float s = (float)g;
+    const float s = g ? (float)g : 1.0f;
+    const uint32_t below = parts == 1 ? 0xffff : 0xff; /* bits past a value's parts */
     for (int i = 0; i < BLOCK; i++) {
-        const float v = w[i] / s;
-        const uint32_t e = (float_bits(v) >> 23) & 0xff;
-        if ((float_bits(v) & 0xffff) || (v != 0.0f && e == 0) || v * s != w[i])
-            return 0.0f;
+        const float d = v[i];
+        v[i] = d / s;
+        if ((float_bits(v[i]) & below) || !normal_or_zero(v[i]) || !normal_or_zero(v[i] - bf16_top(v[i])) ||
+            v[i] * s != d)
+            return 0;
     }
-    return s;
+    *scale = s;
+    *offset = o;
+    return 1;
 }
 
-/* Packs w [N][K] (K a multiple of BLOCK) into `values` (uint16, pairs * K * PAIR) and `scales` (float, pairs *
-   K / BLOCK * PAIR), pairs = ceil(N / PAIR). Returns 0, or -1 where some block has no scale (nothing usable
-   is left in the buffers then). */
-int slotserve_amx_pack(const float *w, long N, long K, uint16_t *values, float *scales, int threads) {
-    if (K % BLOCK)
+/* Packs w [N][K] (K a multiple of BLOCK) as w = scale * v (+ offset) per block, v in `parts` bfloat16 parts,
+   into `values` (uint16, pairs * K * PAIR * parts), `scales` and, with offsets, `offsets` (float, pairs * K /
+   BLOCK * PAIR each), pairs = ceil(N / PAIR). Returns 0, or -1 where some block has no such form (nothing
+   usable is left in the buffers then). */
+int slotserve_amx_pack(const float *w, long N, long K, int parts, float *offsets, uint16_t *values, float *scales,
+                       int threads) {
+    if (K % BLOCK || parts < 1 || parts > 2)
         return -1;
     const long blocks = K / BLOCK, pairs = (N + PAIR - 1) / PAIR;
     int bad = 0;
 #pragma omp parallel for schedule(dynamic, 4) num_threads(threads) reduction(| : bad)
     for (long p = 0; p < pairs; p++) {
         for (long b = 0; b < blocks && !bad; b++) {
-            uint16_t *tile = values + (p * blocks + b) * 2 * TILE * BLOCK;
-            float *scale = scales + (p * blocks + b) * PAIR;
+            uint16_t *tiles = values + (p * blocks + b) * parts * 2 * TILE * BLOCK;
+            const long at = (p * blocks + b) * PAIR;
             for (int r = 0; r < PAIR; r++) {
                 const long n = p * PAIR + r;
                 const int t = r / TILE, col = r % TILE;
-                const float *row = w + n * K + b * BLOCK;
-                const float s = n < N ? block_scale(row) : 1.0f;
-                if (s == 0.0f) {
+                float v[BLOCK] = {0}, scale = 1.0f, offset = 0.0f;
+                if (n < N && !block_fit(w + n * K + b * BLOCK, parts, offsets != NULL, &scale, &offset, v)) {
                     bad = 1;
                     break;
                 }
-                scale[r] = s;
-                for (int k = 0; k < BLOCK; k++)
-                    tile[t * TILE * BLOCK + ((k / 2) * TILE + col) * 2 + k % 2] =
-                        n < N ? (uint16_t)(float_bits(row[k] / s) >> 16) : 0;
+                scales[at + r] = scale;
+                if (offsets)
+                    offsets[at + r] = offset;
+                for (int k = 0; k < BLOCK; k++) {
+                    const float hi = bf16_top(v[k]), lo = v[k] - hi;
+                    const long i = t * TILE * BLOCK + ((k / 2) * TILE + col) * 2 + k % 2;
+                    tiles[i] = (uint16_t)(float_bits(hi) >> 16);
+                    if (parts == 2)
+                        tiles[2 * TILE * BLOCK + i] = (uint16_t)(float_bits(lo) >> 16);
+                }
             }
         }
     }
@@ -130,58 +169,93 @@ static void configure_tiles(void) {
     _tile_loadconfig(&c);
 }
 
-/* x [M][K] float32 into three bfloat16 planes [3][Mp][K] whose sum is x exactly (rows past M zero). */
-static void split_bf16(const float *x, long M, long Mp, long K, uint16_t *parts, int threads) {
+/* x [M][K] float32 into three bfloat16 parts whose sum is x exactly, laid out as the tiles read them:
+   [Mp / PAIR][K / BLOCK][3][PAIR][BLOCK] (rows past M zero); and, where sums is not NULL, each row's sum of
+   x over each block, [Mp][K / BLOCK], for the blocks' offsets. */
+static void split_bf16(const float *x, long M, long Mp, long K, uint16_t *parts, float *sums, int threads) {
+    const long blocks = K / BLOCK;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long m = 0; m < Mp; m++)
-        for (long k = 0; k < K; k += 16) {
-            const __mmask16 lanes = K - k >= 16 ? 0xffff : (__mmask16)((1u << (K - k)) - 1);
-            __m512 v = m < M ? _mm512_maskz_loadu_ps(lanes, x + m * K + k) : _mm512_setzero_ps();
-            for (int p = 0; p < 3; p++) {
-                const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-                _mm256_mask_storeu_epi16(parts + (p * Mp + m) * K + k, lanes, h);
-                v = _mm512_sub_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+        for (long b = 0; b < blocks; b++) {
+            uint16_t *dst = parts + ((m / PAIR) * blocks + b) * 3 * PAIR * BLOCK + (m % PAIR) * BLOCK;
+            __m512d sum = _mm512_setzero_pd();
+            for (int k = 0; k < BLOCK; k += 16) {
+                __m512 v = m < M ? _mm512_loadu_ps(x + m * K + b * BLOCK + k) : _mm512_setzero_ps();
+                sum = _mm512_add_pd(sum, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+                sum = _mm512_add_pd(sum, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+                for (int p = 0; p < 3; p++) {
+                    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+                    _mm256_storeu_si256((__m256i *)(dst + p * PAIR * BLOCK + k), h);
+                    v = _mm512_sub_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+                }
             }
+            if (sums)
+                sums[m * blocks + b] = (float)_mm512_reduce_add_pd(sum);
         }
 }
 
-/* Rows m0..m0+31 against the weight pair p, all blocks; written to out where m < M and n < N. */
-static void pair_rows(const uint16_t *parts, const uint16_t *values, const float *scales, const float *bias,
-                      float *out, long M, long Mp, long N, long K, long p, long m0) {
-    const long blocks = K / BLOCK;
-    float sums[4 * TILE * TILE] __attribute__((aligned(64)));
-    __m512 acc[2 * PAIR];
-#pragma GCC unroll 64
-    for (int i = 0; i < 2 * PAIR; i++) acc[i] = _mm512_setzero_ps();
-    for (long b = 0; b < blocks; b++) {
-        const uint16_t *w = values + (p * blocks + b) * 2 * TILE * BLOCK;
-        for (int line = 0; line < 2 * TILE * BLOCK * 2; line += 64) /* two blocks on: tile loads stall on memory */
-            _mm_prefetch((const char *)(w + 2 * 2 * TILE * BLOCK) + line, _MM_HINT_T0);
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        _tile_loadd(4, w, 64);
-        _tile_loadd(5, w + TILE * BLOCK, 64);
-        for (int part = 0; part < 3; part++) {
-            const uint16_t *a = parts + (part * Mp + m0) * K + b * BLOCK;
-            _tile_loadd(6, a, K * 2);
-            _tile_loadd(7, a + TILE * K, K * 2);
-            _tile_dpbf16ps(0, 6, 4);
-            _tile_dpbf16ps(1, 7, 4);
-            _tile_dpbf16ps(2, 6, 5);
-            _tile_dpbf16ps(3, 7, 5);
+/* Rows m0..m0+31 (m0..m0+15 where the rest are past M) against the weight pair p, all blocks; written to
+   out where m < M and n < N. The tile sums of GROUP blocks are stored, then scaled into acc together. */
+static void pair_rows(const uint16_t *parts, const float *xsums, const slotserve_amx_weight *w, const float *bias,
+                      float *out, long M, long N, long K, long p, long m0) {
+    const long blocks = K / BLOCK, tile_values = 2 * TILE * BLOCK * w->parts;
+    const int rows = M - m0 > TILE ? PAIR : TILE;
+    float sums[GROUP][4 * TILE * TILE] __attribute__((aligned(64)));
+    float acc[2][PAIR][TILE] __attribute__((aligned(64)));
+    memset(acc, 0, sizeof acc);
+    for (long g0 = 0; g0 < blocks; g0 += GROUP) {
+        const int group = blocks - g0 < GROUP ? blocks - g0 : GROUP;
+        for (int g = 0; g < group; g++) {
+            const long b = g0 + g;
+            const uint16_t *wb = w->values + (p * blocks + b) * tile_values;
+            const uint16_t *xb = parts + ((m0 / PAIR) * blocks + b) * 3 * PAIR * BLOCK;
+            for (int line = 0; line < tile_values * 2; line += 64) /* two blocks on: tile loads stall on memory */
+                _mm_prefetch((const char *)(wb + 2 * tile_values) + line, _MM_HINT_T0);
+            for (int line = 0; line < 3 * PAIR * BLOCK * 2; line += 64)
+                _mm_prefetch((const char *)(xb + 3 * PAIR * BLOCK) + line, _MM_HINT_T0);
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int part = 0; part < w->parts; part++) {
+                _tile_loadd(4, wb + part * 2 * TILE * BLOCK, 64);
+                _tile_loadd(5, wb + part * 2 * TILE * BLOCK + TILE * BLOCK, 64);
+                for (int xpart = 0; xpart < 3; xpart++) {
+                    const uint16_t *a = xb + xpart * PAIR * BLOCK;
+                    _tile_loadd(6, a, 64);
+                    _tile_dpbf16ps(0, 6, 4);
+                    _tile_dpbf16ps(2, 6, 5);
+                    if (rows == PAIR) {
+                        _tile_loadd(7, a + TILE * BLOCK, 64);
+                        _tile_dpbf16ps(1, 7, 4);
+                        _tile_dpbf16ps(3, 7, 5);
+                    }
+                }
+            }
+            /* sums[g]: [t][m][16], t the weight tile, m the row */
+            _tile_stored(0, sums[g], 64);
+            _tile_stored(2, sums[g] + 2 * TILE * TILE, 64);
+            if (rows == PAIR) {
+                _tile_stored(1, sums[g] + TILE * TILE, 64);
+                _tile_stored(3, sums[g] + 3 * TILE * TILE, 64);
+            }
         }
-        _tile_stored(0, sums, 64);
-        _tile_stored(1, sums + TILE * TILE, 64);
-        _tile_stored(2, sums + 2 * TILE * TILE, 64);
-        _tile_stored(3, sums + 3 * TILE * TILE, 64);
-        const float *s = scales + (p * blocks + b) * PAIR;
-        const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + TILE);
-#pragma GCC unroll 32
-        for (int m = 0; m < PAIR; m++) {
-            acc[m] = _mm512_fmadd_ps(_mm512_load_ps(sums + m * TILE), s0, acc[m]);
-            acc[PAIR + m] = _mm512_fmadd_ps(_mm512_load_ps(sums + 2 * TILE * TILE + m * TILE), s1, acc[PAIR + m]);
+        for (int t = 0; t < 2; t++) {
+            __m512 scale[GROUP], offset[GROUP];
+            for (int g = 0; g < group; g++) {
+                const long at = (p * blocks + g0 + g) * PAIR + t * TILE;
+                scale[g] = _mm512_loadu_ps(w->scales + at);
+                offset[g] = w->offsets ? _mm512_loadu_ps(w->offsets + at) : _mm512_setzero_ps();
+            }
+            for (int m = 0; m < rows; m++) {
+                __m512 a = _mm512_load_ps(acc[t][m]);
+                for (int g = 0; g < group; g++) {
+                    a = _mm512_fmadd_ps(_mm512_load_ps(sums[g] + (t * PAIR + m) * TILE), scale[g], a);
+                    if (w->offsets)
+                        a = _mm512_fmadd_ps(_mm512_set1_ps(xsums[(m0 + m) * blocks + g0 + g]), offset[g], a);
+                }
+                _mm512_store_ps(acc[t][m], a);
+            }
         }
     }
     for (int t = 0; t < 2; t++) {
@@ -190,37 +264,43 @@ static void pair_rows(const uint16_t *parts, const uint16_t *values, const float
             break;
         const __mmask16 lanes = N - n0 >= TILE ? 0xffff : (__mmask16)((1u << (N - n0)) - 1);
         const __m512 add = bias ? _mm512_maskz_loadu_ps(lanes, bias + n0) : _mm512_setzero_ps();
-        for (int m = 0; m < PAIR && m0 + m < M; m++)
-            _mm512_mask_storeu_ps(out + (m0 + m) * N + n0, lanes, _mm512_add_ps(acc[t * PAIR + m], add));
+        for (int m = 0; m < rows && m0 + m < M; m++)
+            _mm512_mask_storeu_ps(out + (m0 + m) * N + n0, lanes, _mm512_add_ps(_mm512_load_ps(acc[t][m]), add));
     }
 }
 
 /* out = x @ w^T + bias with w packed by slotserve_amx_pack; bias may be NULL. Returns 0, or -1 where the
-   scratch buffer could not be allocated. */
-int slotserve_amx_gemm(const float *x, const uint16_t *values, const float *scales, const float *bias, float *out,
-                       long M, long N, long K, int threads) {
+   scratch buffers could not be allocated. Rows go outermost: a thread's 32 rows stay in its cache while the
+   weight streams past them. */
+int slotserve_amx_gemm(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long M, long N,
+                       long K, int threads) {
     const long Mp = (M + PAIR - 1) / PAIR * PAIR, pairs = (N + PAIR - 1) / PAIR;
     uint16_t *parts = aligned_alloc(64, ((size_t)(3 * Mp * K) * sizeof(uint16_t) + 63) / 64 * 64);
-    if (!parts)
+    float *xsums = w->offsets ? malloc((size_t)(Mp * (K / BLOCK)) * sizeof(float)) : NULL;
+    if (!parts || (w->offsets && !xsums)) {
+        free(parts);
+        free(xsums);
         return -1;
-    split_bf16(x, M, Mp, K, parts, threads);
+    }
+    split_bf16(x, M, Mp, K, parts, xsums, threads);
 #pragma omp parallel num_threads(threads)
     {
         configure_tiles();
 #pragma omp for schedule(dynamic, 2) collapse(2)
-        for (long p = 0; p < pairs; p++)
-            for (long m0 = 0; m0 < Mp; m0 += PAIR) pair_rows(parts, values, scales, bias, out, M, Mp, N, K, p, m0);
+        for (long m0 = 0; m0 < Mp; m0 += PAIR)
+            for (long p = 0; p < pairs; p++) pair_rows(parts, xsums, w, bias, out, M, N, K, p, m0);
         _tile_release();
     }
     free(parts);
+    free(xsums);
     return 0;
 }
 #else
 int slotserve_amx_init(void) { return -1; }
 
-int slotserve_amx_gemm(const float *x, const uint16_t *values, const float *scales, const float *bias, float *out,
-                       long M, long N, long K, int threads) {
-    (void)x, (void)values, (void)scales, (void)bias, (void)out, (void)M, (void)N, (void)K, (void)threads;
+int slotserve_amx_gemm(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long M, long N,
+                       long K, int threads) {
+    (void)x, (void)w, (void)bias, (void)out, (void)M, (void)N, (void)K, (void)threads;
     return -2;
 }
 #endif

@@ -19,13 +19,7 @@
 #include "rows.c"
 #include "small_gemm.c"
 
-/* A linear's weight packed for AMX (amx_gemm.c), or NULLs where it is not. */
-typedef struct {
-    const uint16_t *values;
-    const float *scales;
-} slotserve_amx_weight;
-
-/* One layer's weights (row-major, float32), their AMX packings, and its KV cache ([slots][kv_heads][head_dim]). */
+/* One layer's weights (row-major, float32), their AMX packings (NULL values: not packed), and its KV cache ([slots][kv_heads][head_dim]). */
 typedef struct {
     const float *input_norm, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *post_norm, *gate_up, *down;
     float *k_cache, *v_cache;
@@ -44,15 +38,14 @@ typedef struct {
     long seqs, table_width, block_size;
     float *scratch;
     int threads;
-    long amx_min_rows; /* steps of this many rows or more run the AMX-packed linears on AMX */
 } slotserve_decode_step;
 
 /* out = in @ w^T + bias through AMX where the weight is packed and the step has the rows for it (as
    layers/linear.py decides), else the small GEMM. */
 static int linear(const float *in, const float *w, slotserve_amx_weight amx, const float *bias, float *out, long T,
                   long N, long K, const slotserve_decode_step *s) {
-    if (amx.values && T >= s->amx_min_rows)
-        return slotserve_amx_gemm(in, amx.values, amx.scales, bias, out, T, N, K, s->threads);
+    if (amx.values && T >= amx.min_rows && T <= amx.max_rows)
+        return slotserve_amx_gemm(in, &amx, bias, out, T, N, K, s->threads);
     return slotserve_small_gemm(in, w, bias, out, T, N, K, s->threads);
 }
 

@@ -8,16 +8,11 @@ import ctypes
 from pathlib import Path
 
 from slotserve.kernels import native
+from slotserve.kernels.amx_gemm import Packing
 
 SOURCE = Path(__file__).with_name("decode_layers.c")
 _ARGS = (ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
 _SCRATCH_ARGS = (ctypes.c_long,) * 6
-
-
-class AmxWeight(ctypes.Structure):
-    """A linear's AMX packing (kernels/amx_gemm.py), as data pointers (NULL: not packed)."""
-
-    _fields_ = [("values", ctypes.c_void_p), ("scales", ctypes.c_void_p)]
 
 
 class Layer(ctypes.Structure):
@@ -26,7 +21,7 @@ class Layer(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm", "gate_up", "down", "k_cache",
-        "v_cache")] + [(name, AmxWeight) for name in ("qkv_amx", "o_amx", "gate_up_amx", "down_amx")]
+        "v_cache")] + [(name, Packing) for name in ("qkv_amx", "o_amx", "gate_up_amx", "down_amx")]
 
 
 class Step(ctypes.Structure):
@@ -37,7 +32,7 @@ class Step(ctypes.Structure):
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
                 + [(name, ctypes.c_void_p) for name in ("cos", "sin", "slots", "rows", "block_tables", "lens")]
                 + [(name, ctypes.c_long) for name in ("seqs", "table_width", "block_size")]
-                + [("scratch", ctypes.c_void_p), ("threads", ctypes.c_int), ("amx_min_rows", ctypes.c_long)])
+                + [("scratch", ctypes.c_void_p), ("threads", ctypes.c_int)])
 
 
 def available() -> bool:

@@ -7,9 +7,9 @@ had flushed (2.5-5x its warm cost). kernels/decode_layers.c runs all the layers 
 the same order, so a row gets exactly the bits the layer-by-layer path gives it (a test checks).
 
 It takes a step only when every row is a decode row read through the paged kernel (`PagedTables`) and
-there are at most 64 rows (the small GEMM's); linears packed for AMX run there from AMX_MIN_ROWS rows on, as
-in layers/linear.py. Models it cannot run (MoE layers, int8 linears, weights outside the CPU or not float32)
-keep the layer-by-layer path.
+there are at most 64 rows (the small GEMM's); linears packed for AMX run there for the rows their packing
+runs (`AmxWeight.runs`), as in layers/linear.py. Models it cannot run (MoE layers, int8 linears, weights
+outside the CPU or not float32) keep the layer-by-layer path.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from slotserve.kernels import decode_layers
-from slotserve.kernels.amx_gemm import AmxWeight
+from slotserve.kernels.amx_gemm import AmxWeight, Packing
 from slotserve.kernels.decode_attention import PagedTables
 from slotserve.layers.attention import AttentionMetadata
-from slotserve.layers.linear import AMX_MIN_ROWS, NATIVE_ROWS, Linear
+from slotserve.layers.linear import NATIVE_ROWS, Linear
 from slotserve.models.qwen2 import QwenDecoderLayer, QwenMLP, QwenModel
 
 MAX_TOKENS = NATIVE_ROWS.stop - 1
@@ -68,8 +68,7 @@ class FusedDecode:
         self.tensors, self.amx = tensors, amx
         self.layers = (decode_layers.Layer * len(tensors))(*(
             decode_layers.Layer(*(None if t is None else t.data_ptr() for t in ts),
-                                *(decode_layers.AmxWeight() if a is None else
-                                  decode_layers.AmxWeight(a.values.data_ptr(), a.scales.data_ptr()) for a in packed))
+                                *(Packing() if a is None else a.packing for a in packed))
             for ts, packed in zip(tensors, amx, strict=True)))
         first = model.layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
@@ -115,7 +114,6 @@ class FusedDecode:
             len(input_ids), self.hidden, self.intermediate, self.heads, self.kv_heads, self.head_dim, self.num_slots,
             self.eps, self.scale, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.rows.data_ptr(),
             tables.block_tables.data_ptr(), tables.lens.data_ptr(), tables.rows.shape[0],
-            tables.block_tables.shape[1], meta.block_size, self.scratch.data_ptr(), torch.get_num_threads(),
-            AMX_MIN_ROWS)
+            tables.block_tables.shape[1], meta.block_size, self.scratch.data_ptr(), torch.get_num_threads())
         decode_layers.decode_layers(self.layers, step, x.data_ptr(), residual.data_ptr())
         return self.model.norm.add_and_norm(x, residual)[0]
