@@ -24,15 +24,6 @@ def _block_scaled(n: int, k: int, levels: int, seed: int = 0) -> torch.Tensor:
     return (scale * torch.randint(-levels, levels, (n, k // 32, 32), generator=g).float()).reshape(n, k)
 
 
-def _q6_k(n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """A Q6_K-like weight: per 16 values along a row, an fp16 scale times an int8 one times integers in
-    [-32, 32) (per block of 32: a scale times values of up to 13 bits, two bfloat16 parts)."""
-    g = torch.Generator().manual_seed(seed)
-    d = (torch.rand(n, k // 32, 1, 1, generator=g) * 0.02 + 1e-3).half().float()
-    sc = torch.randint(-127, 128, (n, k // 32, 2, 1), generator=g).float()
-    return (d * sc * torch.randint(-32, 32, (n, k // 32, 2, 16), generator=g).float()).reshape(n, k)
-
-
 def _q4_k(n: int, k: int, seed: int = 0) -> torch.Tensor:
     """A Q4_K-like weight: per block of 32 along a row, a * q - c with a and c fp16 scales times 6-bit
     integers and q in [0, 16): a scale times one bfloat16 plus an offset. (Blocks where a * q - c is not
@@ -49,22 +40,22 @@ def _q4_k(n: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.where(exact, w, w + c).float().reshape(n, k)
 
 
-WEIGHTS = {"q5_0": lambda n, k: _block_scaled(n, k, 16), "q6_k": _q6_k, "q4_k": _q4_k}
+WEIGHTS = {"q5_0": lambda n, k: _block_scaled(n, k, 16), "q4_k": _q4_k}
 
 
-def _form(w: torch.Tensor) -> tuple[int, bool] | None:
+def _offsets(w: torch.Tensor) -> bool | None:
+    """Whether the packed weight has offsets (None: it does not pack)."""
     packed = amx_gemm.AmxWeight.pack(w)
-    return None if packed is None else (packed.form.parts, packed.form.offset)
+    return None if packed is None else packed.offsets is not None
 
 
-def test_packs_each_form_and_nothing_else():
-    assert _form(_block_scaled(40, 96, 16)) == (1, False)  # Q5_0-like
-    assert _form(_block_scaled(40, 96, 127)) == (1, False)  # Q8_0-like
-    assert _form(torch.randn(40, 96).bfloat16().float()) == (1, False)
-    assert _form(_q4_k(40, 96)) == (1, True)
-    assert _form(_q6_k(40, 96)) == (2, False)
-    assert _form(torch.randn(40, 96).half().float()) == (2, False)
-    assert amx_gemm.AmxWeight.pack(torch.randn(40, 96)) is None  # float32 values need more than 16 bits
+def test_packs_block_scaled_weights_and_nothing_else():
+    assert _offsets(_block_scaled(40, 96, 16)) is False  # Q5_0-like
+    assert _offsets(_block_scaled(40, 96, 127)) is False  # Q8_0-like
+    assert _offsets(torch.randn(40, 96).bfloat16().float()) is False
+    assert _offsets(_q4_k(40, 96)) is True
+    assert _offsets(torch.randn(40, 96).half().float()) is None  # float16 values have 11 bits
+    assert amx_gemm.AmxWeight.pack(torch.randn(40, 96)) is None  # float32 values need more than 8 bits
     assert amx_gemm.AmxWeight.pack(torch.randn(40, 100).bfloat16().float()) is None  # K not in blocks of 32
     w = _block_scaled(40, 96, 16)
     w[7, 50] = 1e-40  # a subnormal (AMX reads those as zero)
@@ -99,21 +90,20 @@ def test_a_row_gets_the_same_bits_in_any_batch(kind):
     assert torch.equal(packed(x[40:41])[0], whole[40])
 
 
-def test_a_linear_runs_on_amx_for_the_rows_its_form_allows():
-    for w, most in ((_q4_k(64, 96), 1000), (_q6_k(64, 96), amx_gemm.FORMS[2].max_rows)):
-        layer = Linear(96, 64, bias=False).requires_grad_(False)
-        layer.weight.data.copy_(w)
-        assert layer.bind_amx()
-        packed = layer.amx
-        assert not packed.runs(amx_gemm.MIN_ROWS - 1) and packed.runs(amx_gemm.MIN_ROWS) and packed.runs(most)
-        for rows in (amx_gemm.MIN_ROWS - 1, amx_gemm.MIN_ROWS, most, most + 1):
-            x = torch.randn(rows, 96)
-            with torch.no_grad():
-                ours = layer(x)
-                layer.amx = None
-                unpacked = layer(x)
-                layer.amx = packed
-            assert torch.equal(ours, packed(x) if packed.runs(rows) else unpacked)
+def test_a_linear_runs_on_amx_from_min_rows_on():
+    layer = Linear(96, 64, bias=False).requires_grad_(False)
+    layer.weight.data.copy_(_q4_k(64, 96))
+    assert layer.bind_amx()
+    packed = layer.amx
+    for rows in (1, amx_gemm.MIN_ROWS - 1, amx_gemm.MIN_ROWS, 300):
+        x = torch.randn(rows, 96)
+        with torch.no_grad():
+            ours = layer(x)
+            layer.amx = None
+            unpacked = layer(x)
+            layer.amx = packed
+        assert packed.runs(rows) == (rows >= amx_gemm.MIN_ROWS)
+        assert torch.equal(ours, packed(x) if packed.runs(rows) else unpacked)
 
 
 def test_bad_input_is_refused():
@@ -153,14 +143,12 @@ def test_a_bfloat16_checkpoint_runs_on_amx_and_matches_transformers(tmp_path, ar
 
 def test_the_fused_step_on_amx_has_the_layer_paths_bits(tmp_path):
     build_tiny_model(tmp_path, "qwen2", dtype=torch.bfloat16)
-    weights = load_file(tmp_path / "model.safetensors")  # down weights as GGUF's Q6_K and Q4_K tensors are
-    for i, make in enumerate((_q6_k, _q4_k)):
-        name = f"model.layers.{i}.mlp.down_proj.weight"
-        weights[name] = make(*weights[name].shape, seed=i)  # float32: a bfloat16 would round Q6_K's values
+    weights = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight"  # as GGUF's Q4_K tensors are: with offsets
+    weights[name] = _q4_k(*weights[name].shape)
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     fused, layers = _runner(tmp_path), _runner(tmp_path)
-    downs = [layer.mlp.down_proj.amx.form for layer in fused.model.model.layers[:2]]
-    assert [(f.parts, f.offset) for f in downs] == [(2, False), (1, True)]
+    assert [layer.mlp.down_proj.amx.offsets is not None for layer in fused.model.model.layers] == [False, True]
     layers.fused = None
     for rows in (amx_gemm.MIN_ROWS - 1, amx_gemm.MIN_ROWS, 20):  # the FMA kernels, then AMX
         tables = [list(range(3 * i, 3 * i + 3)) for i in range(rows)]

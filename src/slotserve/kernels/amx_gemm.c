@@ -3,24 +3,26 @@
 
    AMX multiplies bfloat16 tiles and sums the products in float32. Two facts make that a float32 GEMM here:
    - Most float32 weights of a quantized or low-precision checkpoint are, in each block of 32 along a row,
-     w = scale * v (+ offset), with v one or two bfloat16 values (8 or 16 significant bits):
-       GGUF Q8_0/Q5_0/Q4_0 blocks and bfloat16 checkpoints: scale * one bfloat16;
-       Q6_K blocks (per-16 scales under a per-block one) and float16 checkpoints: scale * two bfloat16 parts;
-       Q4_K/Q5_K blocks (a scale and a minimum): scale * one bfloat16 + offset.
-     `pack` finds each block's scale (and offset), and keeps the bfloat16 values, or says the weight has no
-     such form (then the caller keeps its float32 path).
+     w = scale * v (+ offset) with v bfloat16 values: GGUF's Q8_0/Q5_0/Q4_0 blocks (an fp16 scale times
+     small integers) and bfloat16 checkpoints (scale 1) without an offset, Q4_K/Q5_K blocks (a scale and a
+     minimum) with one. `pack` finds each block's scale (and offset) and keeps the bfloat16 values, or says
+     the weight has no such form (then the caller keeps its float32 path).
    - A float32 activation is exactly the sum of three bfloat16 parts (8 + 8 + 8 significant bits).
-   So each block's sum is tile products of exact bfloat16 x bfloat16 terms, summed in float32, then scaled
-   (plus the offset times the block's sum of x) and added up across blocks with fused multiply-adds: the
-   same rounding, term by term, as a float32 GEMM's sums, and measured closer to the float64 result than our
-   FMA kernel (small_gemm.c) on the default model's shapes. The weights stream at 2 or 4 bytes a value.
+   So each block's sum is three tile products of exact bfloat16 x bfloat16 terms, summed in float32, then
+   scaled (plus the offset times the block's sum of x) and added up across blocks with fused multiply-adds:
+   the same rounding, term by term, as a float32 GEMM's sums, and measured closer to the float64 result than
+   our FMA kernel (small_gemm.c) on the default model's shapes. The weights stream at 2 bytes a value.
 
    A row's result depends on that row alone (the batch is cut into tiles of rows, padded with zero rows), so
    its bits are the same in any batch. They are not the bits of the float32 FMA kernels.
 
-   Layout of a packed weight: rows in pairs of 16-row tiles; for each pair, each block of 32 along K and
-   each part of v, the two tiles' values as AMX wants them (bfloat16 pairs along K, [16 k-pairs][16 rows][2]),
-   1024 values; and the pair's 32 scales (and offsets) per block. Rows past N are zero. */
+   Layout of a packed weight: rows in pairs of 16-row tiles; for each pair and each block of 32 along K, the
+   two tiles' values as AMX wants them (bfloat16 pairs along K, [16 k-pairs][16 rows][2]), 1024 values; and
+   the pair's 32 scales (and offsets) per block. Rows past N are zero.
+
+   Values of two bfloat16 parts (Q6_K's per-16 scales under a per-block one, float16 checkpoints) would be
+   exact too, but they stream 4 bytes a value like float32 and cost twice the tile products: measured no
+   faster on decode steps and 0.72-0.76x of oneDNN's float32 GEMM on 1024-row prefills, so not taken. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,8 +37,7 @@
 typedef struct {
     const uint16_t *values;
     const float *scales, *offsets;
-    int parts;     /* bfloat16 parts per value: 1 or 2 */
-    long min_rows, max_rows; /* the rows a call runs through this packing (others take the float32 path) */
+    long min_rows; /* calls of fewer rows take the float32 path (the caller's choice, kept with the packing) */
 } slotserve_amx_weight;
 
 static uint32_t float_bits(float f) {
@@ -54,23 +55,16 @@ static uint32_t gcd(uint32_t a, uint32_t b) {
     return a;
 }
 
-/* f with its significand cut to bfloat16's 8 bits. */
-static float bf16_top(float f) {
-    const uint32_t u = float_bits(f) & 0xffff0000u;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 static int normal_or_zero(float f) {
     const uint32_t e = (float_bits(f) >> 23) & 0xff;
     return f == 0.0f || (e != 0 && e != 0xff);
 }
 
-/* Fits one block of BLOCK weights as w[i] = *scale * v[i] + *offset exactly, each v[i] `parts` bfloat16
-   parts (the offset is the block's least value where asked for, else 0). Returns 0 where there is no fit.
-   The odd parts of the significands of w[i] - offset share their greatest common divisor g: (w[i] - offset)
-   / g is exact, and fits where its significand has at most 8 (16) bits. */
-static int block_fit(const float *w, int parts, int with_offset, float *scale, float *offset, float *v) {
+/* Fits one block of BLOCK weights as w[i] = *scale * v[i] + *offset exactly, each v[i] a bfloat16 (the
+   offset is the block's least value where asked for, else 0). Returns 0 where there is no fit. The odd
+   parts of the significands of w[i] - offset share their greatest common divisor g: (w[i] - offset) / g is
+   exact, and a bfloat16 where its significand has at most 8 bits. */
+static int block_fit(const float *w, int with_offset, float *scale, float *offset, float *v) {
     float o = 0.0f;
     if (with_offset)
         for (int i = 0; i < BLOCK; i++) o = i == 0 || w[i] < o ? w[i] : o;
@@ -88,12 +82,10 @@ static int block_fit(const float *w, int parts, int with_offset, float *scale, f
             g = gcd(g, odd);
     }
     const float s = g ? (float)g : 1.0f;
-    const uint32_t below = parts == 1 ? 0xffff : 0xff; /* bits past a value's parts */
     for (int i = 0; i < BLOCK; i++) {
         const float d = v[i];
         v[i] = d / s;
-        if ((float_bits(v[i]) & below) || !normal_or_zero(v[i]) || !normal_or_zero(v[i] - bf16_top(v[i])) ||
-            v[i] * s != d)
+        if ((float_bits(v[i]) & 0xffff) || !normal_or_zero(v[i]) || v[i] * s != d)
             return 0;
     }
     *scale = s;
@@ -101,39 +93,34 @@ static int block_fit(const float *w, int parts, int with_offset, float *scale, f
     return 1;
 }
 
-/* Packs w [N][K] (K a multiple of BLOCK) as w = scale * v (+ offset) per block, v in `parts` bfloat16 parts,
-   into `values` (uint16, pairs * K * PAIR * parts), `scales` and, with offsets, `offsets` (float, pairs * K /
+/* Packs w [N][K] (K a multiple of BLOCK) as w = scale * v (+ offset) per block, v bfloat16, into `values`
+   (uint16, pairs * K * PAIR), `scales` and, where `offsets` is not NULL, `offsets` (float, pairs * K /
    BLOCK * PAIR each), pairs = ceil(N / PAIR). Returns 0, or -1 where some block has no such form (nothing
    usable is left in the buffers then). */
-int slotserve_amx_pack(const float *w, long N, long K, int parts, float *offsets, uint16_t *values, float *scales,
+int slotserve_amx_pack(const float *w, long N, long K, float *offsets, uint16_t *values, float *scales,
                        int threads) {
-    if (K % BLOCK || parts < 1 || parts > 2)
+    if (K % BLOCK)
         return -1;
     const long blocks = K / BLOCK, pairs = (N + PAIR - 1) / PAIR;
     int bad = 0;
 #pragma omp parallel for schedule(dynamic, 4) num_threads(threads) reduction(| : bad)
     for (long p = 0; p < pairs; p++) {
         for (long b = 0; b < blocks && !bad; b++) {
-            uint16_t *tiles = values + (p * blocks + b) * parts * 2 * TILE * BLOCK;
+            uint16_t *tiles = values + (p * blocks + b) * 2 * TILE * BLOCK;
             const long at = (p * blocks + b) * PAIR;
             for (int r = 0; r < PAIR; r++) {
                 const long n = p * PAIR + r;
                 const int t = r / TILE, col = r % TILE;
                 float v[BLOCK] = {0}, scale = 1.0f, offset = 0.0f;
-                if (n < N && !block_fit(w + n * K + b * BLOCK, parts, offsets != NULL, &scale, &offset, v)) {
+                if (n < N && !block_fit(w + n * K + b * BLOCK, offsets != NULL, &scale, &offset, v)) {
                     bad = 1;
                     break;
                 }
                 scales[at + r] = scale;
                 if (offsets)
                     offsets[at + r] = offset;
-                for (int k = 0; k < BLOCK; k++) {
-                    const float hi = bf16_top(v[k]), lo = v[k] - hi;
-                    const long i = t * TILE * BLOCK + ((k / 2) * TILE + col) * 2 + k % 2;
-                    tiles[i] = (uint16_t)(float_bits(hi) >> 16);
-                    if (parts == 2)
-                        tiles[2 * TILE * BLOCK + i] = (uint16_t)(float_bits(lo) >> 16);
-                }
+                for (int k = 0; k < BLOCK; k++)
+                    tiles[t * TILE * BLOCK + ((k / 2) * TILE + col) * 2 + k % 2] = (uint16_t)(float_bits(v[k]) >> 16);
             }
         }
     }
@@ -195,10 +182,12 @@ static void split_bf16(const float *x, long M, long Mp, long K, uint16_t *parts,
 }
 
 /* Rows m0..m0+31 (m0..m0+15 where the rest are past M) against the weight pair p, all blocks; written to
-   out where m < M and n < N. The tile sums of GROUP blocks are stored, then scaled into acc together. */
+   out where m < M and n < N. The tile sums of GROUP blocks are stored, then scaled into acc together. The
+   tiles are read in address order and the hardware's prefetch keeps up: prefetching the next blocks' tiles
+   in software measured 5-15 % slower (single thread and two, 32 and 1024 rows). */
 static void pair_rows(const uint16_t *parts, const float *xsums, const slotserve_amx_weight *w, const float *bias,
                       float *out, long M, long N, long K, long p, long m0) {
-    const long blocks = K / BLOCK, tile_values = 2 * TILE * BLOCK * w->parts;
+    const long blocks = K / BLOCK;
     const int rows = M - m0 > TILE ? PAIR : TILE;
     float sums[GROUP][4 * TILE * TILE] __attribute__((aligned(64)));
     float acc[2][PAIR][TILE] __attribute__((aligned(64)));
@@ -207,29 +196,23 @@ static void pair_rows(const uint16_t *parts, const float *xsums, const slotserve
         const int group = blocks - g0 < GROUP ? blocks - g0 : GROUP;
         for (int g = 0; g < group; g++) {
             const long b = g0 + g;
-            const uint16_t *wb = w->values + (p * blocks + b) * tile_values;
+            const uint16_t *wb = w->values + (p * blocks + b) * 2 * TILE * BLOCK;
             const uint16_t *xb = parts + ((m0 / PAIR) * blocks + b) * 3 * PAIR * BLOCK;
-            for (int line = 0; line < tile_values * 2; line += 64) /* two blocks on: tile loads stall on memory */
-                _mm_prefetch((const char *)(wb + 2 * tile_values) + line, _MM_HINT_T0);
-            for (int line = 0; line < 3 * PAIR * BLOCK * 2; line += 64)
-                _mm_prefetch((const char *)(xb + 3 * PAIR * BLOCK) + line, _MM_HINT_T0);
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
-            for (int part = 0; part < w->parts; part++) {
-                _tile_loadd(4, wb + part * 2 * TILE * BLOCK, 64);
-                _tile_loadd(5, wb + part * 2 * TILE * BLOCK + TILE * BLOCK, 64);
-                for (int xpart = 0; xpart < 3; xpart++) {
-                    const uint16_t *a = xb + xpart * PAIR * BLOCK;
-                    _tile_loadd(6, a, 64);
-                    _tile_dpbf16ps(0, 6, 4);
-                    _tile_dpbf16ps(2, 6, 5);
-                    if (rows == PAIR) {
-                        _tile_loadd(7, a + TILE * BLOCK, 64);
-                        _tile_dpbf16ps(1, 7, 4);
-                        _tile_dpbf16ps(3, 7, 5);
-                    }
+            _tile_loadd(4, wb, 64);
+            _tile_loadd(5, wb + TILE * BLOCK, 64);
+            for (int part = 0; part < 3; part++) {
+                const uint16_t *a = xb + part * PAIR * BLOCK;
+                _tile_loadd(6, a, 64);
+                _tile_dpbf16ps(0, 6, 4);
+                _tile_dpbf16ps(2, 6, 5);
+                if (rows == PAIR) {
+                    _tile_loadd(7, a + TILE * BLOCK, 64);
+                    _tile_dpbf16ps(1, 7, 4);
+                    _tile_dpbf16ps(3, 7, 5);
                 }
             }
             /* sums[g]: [t][m][16], t the weight tile, m the row */

@@ -1,10 +1,10 @@
 """Float32 linears through AMX with exact products (amx_gemm.c), called from Python.
 
 `AmxWeight.pack(weight, bias)` packs a float32 weight that is, in every block of 32 along a row, a scale
-times values of one or two bfloat16 parts, plus an offset or not (a GGUF's Q8_0/Q5_0/Q6_K/Q4_K tensors, a
-bfloat16 or float16 checkpoint loaded in float32), or answers None for any other weight; calling the packed
-weight is F.linear. `available()` says whether this CPU and kernel
-run AMX (Linux asks each process to request the tile registers; `SLOTSERVE_AMX=0` turns the path off).
+times bfloat16 values, plus an offset or not (a GGUF's Q8_0/Q5_0/Q4_K tensors, a bfloat16 checkpoint loaded
+in float32), or answers None for any other weight; calling the packed weight is F.linear. `available()`
+says whether this CPU and kernel run AMX (Linux asks each process to request the tile registers;
+`SLOTSERVE_AMX=0` turns the path off).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,24 +24,8 @@ BLOCK, PAIR = 32, 32  # k per scale; weight rows per packed pair of tiles
 # Fewer rows stay on the FMA kernel (small_gemm.c), which streams its float32 weights faster than AMX's
 # fixed work per tile of rows goes; 12 is where its broadcast form starts too (small_gemm.c's DOT_ROWS + 1).
 MIN_ROWS = 12
-
-
-@dataclass(frozen=True)
-class Form:
-    """What every block of a packed weight is: scale * v (+ offset), v in `parts` bfloat16 parts."""
-
-    parts: int
-    offset: bool
-    max_rows: int  # the most rows worth running on AMX (measured; oneDNN's float32 GEMM wins past it)
-
-
-# Cheapest first. Two parts cost twice the tile products, and oneDNN's float32 GEMM wins by 1024 rows (the
-# default model's Q6_K down weight, Xeon with 2 threads, same run: 16 rows 1.2x, 32 rows 1.1-1.2x, 256
-# rows 1.2x, 1024 rows 0.72-0.76x of float32's time); one part stays ahead or level there.
-FORMS = (Form(1, False, 2**62), Form(1, True, 2**62), Form(2, False, 256))
-BYTES_PER_WEIGHT = 2 * 2 + 2 * 4 / BLOCK  # the most a form keeps: two parts, a scale and an offset per block
-_PACK_ARGS = ((ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int) + (ctypes.c_void_p,) * 3
-              + (ctypes.c_int,))
+BYTES_PER_WEIGHT = 2 + 2 * 4 / BLOCK  # the most a packing keeps: a bfloat16, a scale and an offset per block
+_PACK_ARGS = (ctypes.c_void_p, ctypes.c_long, ctypes.c_long) + (ctypes.c_void_p,) * 3 + (ctypes.c_int,)
 _GEMM_ARGS = (ctypes.c_void_p,) * 4 + (ctypes.c_long,) * 3 + (ctypes.c_int,)
 
 
@@ -50,7 +33,7 @@ class Packing(ctypes.Structure):
     """amx_gemm.c's slotserve_amx_weight: a packed weight's buffers (NULL values: not packed)."""
 
     _fields_ = [("values", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
-                ("parts", ctypes.c_int), ("min_rows", ctypes.c_long), ("max_rows", ctypes.c_long)]
+                ("min_rows", ctypes.c_long)]
 
 
 @functools.cache
@@ -66,18 +49,17 @@ class AmxWeight:
     which is what a caller compares to see whether the module still holds it."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, values: torch.Tensor,
-                 scales: torch.Tensor, offsets: torch.Tensor | None, form: Form) -> None:
+                 scales: torch.Tensor, offsets: torch.Tensor | None) -> None:
         self.weight, self.bias, self.values, self.scales, self.offsets = weight, bias, values, scales, offsets
         self.n, self.k = weight.shape
-        self.form = form
         self.packing = Packing(values.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
-                               form.parts, MIN_ROWS, form.max_rows)
+                               MIN_ROWS)
         self._gemm = native.require(native.function(SOURCE, "slotserve_amx_gemm", _GEMM_ARGS), SOURCE)
 
     @classmethod
     def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> AmxWeight | None:
-        """The packed weight in the first of FORMS every block takes, or None where there is none (or AMX
-        is not here)."""
+        """The packed weight, without offsets where every block allows, or None where some block has no
+        form (or AMX is not here)."""
         if not available() or weight.dim() != 2 or weight.shape[1] % BLOCK or not native.takes(weight):
             return None
         if bias is not None and (bias.shape != weight.shape[:1] or not native.takes(bias)):
@@ -86,17 +68,17 @@ class AmxWeight:
         n, k = weight.shape
         scalars = -(-n // PAIR) * PAIR * (k // BLOCK)
         pack = native.require(native.function(SOURCE, "slotserve_amx_pack", _PACK_ARGS), SOURCE)
-        for form in FORMS:
-            values = host_memory.zeros((scalars * BLOCK * form.parts,), torch.int16, weight.device)  # steps stream it
-            scales, offsets = torch.empty(scalars), torch.empty(scalars) if form.offset else None
-            if not pack(weight.data_ptr(), n, k, form.parts, None if offsets is None else offsets.data_ptr(),
-                        values.data_ptr(), scales.data_ptr(), torch.get_num_threads()):
-                return cls(weight, None if bias is None else bias.contiguous(), values, scales, offsets, form)
+        values = host_memory.zeros((scalars * BLOCK,), torch.int16, weight.device)  # what a step streams
+        scales = torch.empty(scalars)
+        for offsets in (None, torch.empty(scalars)):
+            if not pack(weight.data_ptr(), n, k, None if offsets is None else offsets.data_ptr(), values.data_ptr(),
+                        scales.data_ptr(), torch.get_num_threads()):
+                return cls(weight, None if bias is None else bias.contiguous(), values, scales, offsets)
         return None
 
     def runs(self, rows: int) -> bool:
         """Whether a call with this many rows is worth AMX (the caller's float32 path takes the rest)."""
-        return MIN_ROWS <= rows <= self.form.max_rows
+        return rows >= MIN_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ weight^T + bias."""

@@ -44,7 +44,7 @@ typedef struct {
    layers/linear.py decides), else the small GEMM. */
 static int linear(const float *in, const float *w, slotserve_amx_weight amx, const float *bias, float *out, long T,
                   long N, long K, const slotserve_decode_step *s) {
-    if (amx.values && T >= amx.min_rows && T <= amx.max_rows)
+    if (amx.values && T >= amx.min_rows)
         return slotserve_amx_gemm(in, &amx, bias, out, T, N, K, s->threads);
     return slotserve_small_gemm(in, w, bias, out, T, N, K, s->threads);
 }

@@ -10,13 +10,13 @@ packing pays for itself) goes to a BLAS library, as below.
 Where the kernel cannot be built (no C compiler or OpenMP), 16..64 rows go through MKL as W @ x^T,
 which is 1.17x faster than x @ W^T there (457 -> 391 ms on the 32-sequence decode step).
 
-On CPUs with AMX, a weight that is a scale times one or two bfloat16 values (plus an offset or not) in
-every block of 32 along a row (a GGUF's Q8_0/Q5_0/Q6_K/Q4_K tensors, a bfloat16 or float16 checkpoint in
-float32) runs through AMX for the rows its packing runs (`AmxWeight.runs`: from amx_gemm.MIN_ROWS on, up to
-a form's limit), with exact products and float32 sums (kernels/amx_gemm.c); `bind_amx` packs it, once,
-where it can. Fewer rows stay on the FMA kernel, which streams its float32 weights faster than AMX's fixed
-work per tile of rows goes (the default model's gate/up weight, 24 copies in huge pages, Xeon with 2
-threads: 1 row 2.4 vs 2.7 ms, 8 rows 3.5 vs 3.1, 12 rows 4.1 vs 3.2, 32 rows 5.3 vs 3.6, 64 rows 10.1 vs 6.3).
+On CPUs with AMX, a weight that is a scale times bfloat16 values (plus an offset or not) in every block
+of 32 along a row (a GGUF's Q8_0/Q5_0/Q4_K tensors, a bfloat16 checkpoint in float32) runs through AMX
+from amx_gemm.MIN_ROWS rows on (`AmxWeight.runs`), with exact products and float32 sums
+(kernels/amx_gemm.c); `bind_amx` packs it, once, where it can. Fewer rows stay on the FMA kernel, which
+streams its float32 weights faster than AMX's fixed work per tile of rows goes (the default model's gate/up
+weight, 24 copies in huge pages, Xeon with 2 threads: 1 row 2.4 vs 2.7 ms, 8 rows 3.5 vs 3.1, 12 rows 4.1
+vs 3.2, 32 rows 5.3 vs 3.6, 64 rows 10.1 vs 6.3).
 
 Other prefill rows (over 64) go through oneDNN's matmul where torch has it, straight from the checkpoint's
 weight: on an AMD EPYC (2 threads, the default model's four shapes at 512 rows, same run) 134 vs 105
