@@ -72,7 +72,8 @@ def test_packs_block_scaled_weights_and_nothing_else():
 @pytest.mark.parametrize("n,k", [(40, 96), (1152, 896), (70, 4864)])
 @pytest.mark.parametrize("rows", [1, 13, 32, 45])
 def test_as_close_to_float64_as_a_float32_gemm(kind, n, k, rows):
-    w, bias, x = WEIGHTS[kind](n, k), torch.randn(n), torch.randn(rows, k)
+    g = torch.Generator().manual_seed(rows)
+    w, bias, x = WEIGHTS[kind](n, k), torch.randn(n, generator=g), torch.randn(rows, k, generator=g)
     exact = x.double() @ w.double().T + bias.double()
     ours = amx_gemm.AmxWeight.pack(w, bias)(x)
     fp32 = torch.nn.functional.linear(x, w, bias)

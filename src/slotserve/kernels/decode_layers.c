@@ -19,7 +19,8 @@
 #include "rows.c"
 #include "small_gemm.c"
 
-/* One layer's weights (row-major, float32), their AMX packings (NULL values: not packed), and its KV cache ([slots][kv_heads][head_dim]). */
+/* One layer's weights (row-major, float32), their AMX packings (NULL values: not packed), and its KV cache
+   ([slots][kv_heads][head_dim]). */
 typedef struct {
     const float *input_norm, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *post_norm, *gate_up, *down;
     float *k_cache, *v_cache;
@@ -41,7 +42,7 @@ typedef struct {
 } slotserve_decode_step;
 
 /* out = in @ w^T + bias through AMX where the weight is packed and the step has the rows for it (as
-   layers/linear.py decides), else the small GEMM. */
+   AmxWeight.runs decides for layers/linear.py), else the small GEMM. */
 static int linear(const float *in, const float *w, slotserve_amx_weight amx, const float *bias, float *out, long T,
                   long N, long K, const slotserve_decode_step *s) {
     if (amx.values && T >= amx.min_rows)
