@@ -183,9 +183,10 @@ static void split_tile(const float *x, long M, long K, long m0, uint16_t *parts,
 }
 
 /* Rows m0..m0+31 (m0..m0+15 where the rest are past M), split by split_tile into parts and xsums, against
-   the weight pair p, all blocks; written to out where m < M and n < N. The tile sums of GROUP blocks are stored, then scaled and summed, and that part
-   added to acc: summing block by block into acc erred up to 2.1x a float32 GEMM's error against float64 on
-   Q4_K-like weights (1.5x on Q5_0-like ones), the two levels at most 1.0x (1.2x).
+   the weight pair p, all blocks; written to out where m < M and n < N. The tile sums of GROUP blocks are
+   stored, then scaled and summed, and that part added to acc: summing block by block into acc erred up to
+   2.1x a float32 GEMM's error against float64 on Q4_K-like weights (1.5x on Q5_0-like ones), the two
+   levels at most 1.0x (1.2x).
    A block's two weight tiles take turns: a tile store holds up the products behind it unless other tiles
    have products to run, and the turns give them some (1.06-1.12x on 32 rows, the same on 512).
    Where `prefetch` is set (a call of one row tile: a decode step, whose weights come from DRAM once each)
@@ -278,7 +279,7 @@ int slotserve_amx_gemm(const float *x, const slotserve_amx_weight *w, const floa
         free(xsums);
         return -1;
     }
-    const long parts_stride = parts_size / sizeof(uint16_t), sums_stride = xsums ? PAIR * blocks : 0;
+    const long parts_stride = parts_size / sizeof(uint16_t), sums_stride = PAIR * blocks;
     if (!by_tile) {
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (long t = 0; t < tiles; t++)
