@@ -269,17 +269,15 @@ int slotserve_amx_gemm(const float *x, const slotserve_amx_weight *w, const floa
                        long K, int threads) {
     const long tiles = (M + PAIR - 1) / PAIR, pairs = (N + PAIR - 1) / PAIR, blocks = K / BLOCK;
     const int by_tile = tiles >= TILES_PER_THREAD * threads;
-    const size_t parts_size = ((size_t)(3 * PAIR * K) * sizeof(uint16_t) + 63) / 64 * 64;
-    const size_t sums_size = (size_t)(PAIR * blocks) * sizeof(float);
+    const long parts_stride = 3 * PAIR * K, sums_stride = PAIR * blocks; /* a row tile's; 64-byte multiples */
     const long buffers = by_tile ? threads : tiles; /* one per thread, or one per row tile */
-    uint16_t *parts = aligned_alloc(64, parts_size * buffers);
-    float *xsums = w->offsets ? malloc(sums_size * buffers) : NULL;
+    uint16_t *parts = aligned_alloc(64, (size_t)(parts_stride * buffers) * sizeof(uint16_t));
+    float *xsums = w->offsets ? malloc((size_t)(sums_stride * buffers) * sizeof(float)) : NULL;
     if (!parts || (w->offsets && !xsums)) {
         free(parts);
         free(xsums);
         return -1;
     }
-    const long parts_stride = parts_size / sizeof(uint16_t), sums_stride = PAIR * blocks;
     if (!by_tile) {
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (long t = 0; t < tiles; t++)

@@ -21,8 +21,8 @@ from slotserve.kernels import native
 
 SOURCE = Path(__file__).with_name("amx_gemm.c")
 BLOCK, PAIR = 32, 32  # k per scale; weight rows per packed pair of tiles
-# Fewer rows stay on the FMA kernel (small_gemm.c), which streams its float32 weights faster than AMX's
-# fixed work per tile of rows goes; 12 is where its broadcast form starts too (small_gemm.c's DOT_ROWS + 1).
+# Fewer rows stay on the FMA kernel (small_gemm.c): faster there against the first AMX kernels, no longer
+# (layers/linear.py has the figures); 12 is where its broadcast form starts too (small_gemm.c's DOT_ROWS + 1).
 MIN_ROWS = 12
 BYTES_PER_WEIGHT = 2 + 2 * 4 / BLOCK  # the most a packing keeps: a bfloat16, a scale and an offset per block
 _PACK_ARGS = (ctypes.c_void_p, ctypes.c_long, ctypes.c_long) + (ctypes.c_void_p,) * 3 + (ctypes.c_int,)

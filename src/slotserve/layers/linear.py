@@ -14,9 +14,11 @@ On CPUs with AMX, a weight that is a scale times bfloat16 values (plus an offset
 of 32 along a row (a GGUF's Q8_0/Q5_0/Q4_K tensors, a bfloat16 checkpoint in float32) runs through AMX
 from amx_gemm.MIN_ROWS rows on (`AmxWeight.runs`), with exact products and float32 sums
 (kernels/amx_gemm.c); `bind_amx` packs it, once, where it can. Fewer rows stay on the FMA kernel, which
-streams its float32 weights faster than AMX's fixed work per tile of rows goes (the default model's gate/up
-weight, 24 copies in huge pages, Xeon with 2 threads: 1 row 2.4 vs 2.7 ms, 8 rows 3.5 vs 3.1, 12 rows 4.1
-vs 3.2, 32 rows 5.3 vs 3.6, 64 rows 10.1 vs 6.3).
+streamed its float32 weights faster than the first AMX kernels' fixed work per tile of rows went. Since
+the kernel prefetches a one-row-tile call's weights, AMX measures faster at every row count (the default
+model's 24 gate/up weights in huge pages, Xeon with 2 threads, FMA vs AMX per layer: 1 row 1.16 vs 0.88
+ms, 8 rows 1.59 vs 0.90, 12 rows 1.79 vs 0.90, 32 rows 2.50 vs 1.56, 64 rows 4.69 vs 3.07); lowering the
+threshold also moves batch-1 decode's bits and its bandwidth bound, and is left to a change of its own.
 
 Other prefill rows (over 64) go through oneDNN's matmul where torch has it, straight from the checkpoint's
 weight: on an AMD EPYC (2 threads, the default model's four shapes at 512 rows, same run) 134 vs 105
