@@ -68,6 +68,23 @@ def test_packs_block_scaled_weights_and_nothing_else():
     assert amx_gemm.AmxWeight.pack(w) is None
 
 
+@pytest.mark.parametrize("weight,narrow", [
+    (_block_scaled(70, 128, 128), True),  # Q8_0-like, -128 included
+    (_block_scaled(70, 128, 16), True),  # Q5_0-like
+    (_q4_k(70, 128), True),  # with offsets
+    (_block_scaled(70, 128, 16) * 2.0**-60, True),  # tiny and huge scales: the power of two moves to the scale
+    (_block_scaled(70, 128, 16) * 2.0**100, True),
+    (torch.randn(70, 128).bfloat16().float(), False),  # bfloat16 values: not all integers times a power of two
+    (torch.cat([_block_scaled(35, 128, 16), torch.randn(35, 128).bfloat16().float()]), False),  # one form for all
+])
+def test_integer_blocks_pack_in_a_byte_a_value_with_the_same_bits(weight, narrow):
+    packed, wide = amx_gemm.AmxWeight.pack(weight), amx_gemm.AmxWeight.pack(weight, narrow=False)
+    assert packed.narrow == narrow and packed.values.element_size() == (1 if narrow else 2) and not wide.narrow
+    x = torch.randn(amx_gemm.PAIR * 4 * torch.get_num_threads() + 13, 128)
+    for rows in (1, amx_gemm.MIN_ROWS, 45, x.shape[0]):  # one row tile (prefetching), a few, one per thread
+        assert torch.equal(packed(x[:rows]), wide(x[:rows]))
+
+
 @pytest.mark.parametrize("kind", WEIGHTS)
 @pytest.mark.parametrize("n,k", [(40, 96), (1152, 896), (70, 4864)])
 @pytest.mark.parametrize("rows", [1, 13, 32, 45])

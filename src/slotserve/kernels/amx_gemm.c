@@ -11,19 +11,25 @@
    So each block's sum is three tile products of exact bfloat16 x bfloat16 terms, summed in float32, then
    scaled (plus the offset times the block's sum of x) and added up across blocks with fused multiply-adds:
    the same rounding, term by term, as a float32 GEMM's sums, and measured closer to the float64 result than
-   our FMA kernel (small_gemm.c) on the default model's shapes. The weights stream at 2 bytes a value.
+   our FMA kernel (small_gemm.c) on the default model's shapes.
+
+   The weights stream at 1 byte a value where every block's values are a power of two times integers in
+   [-128, 127] (GGUF's integer blocks: the power goes into the scale), widened to bfloat16 in L1 as each block
+   is used; else at 2 bytes, as bfloat16. The products and sums are the same either way, so the bits are (but
+   where a bfloat16 value's products would be subnormal, which AMX flushes to zero: the integers keep them).
 
    A row's result depends on that row alone (the batch is cut into tiles of rows, padded with zero rows), so
    its bits are the same in any batch. They are not the bits of the float32 FMA kernels.
 
    Layout of a packed weight: rows in pairs of 16-row tiles; for each pair and each block of 32 along K, the
-   two tiles' values as AMX wants them (bfloat16 pairs along K, [16 k-pairs][16 rows][2]), 1024 values; and
-   the pair's 32 scales (and offsets) per block. Rows past N are zero.
+   two tiles' values as AMX wants them (pairs along K, [16 k-pairs][16 rows][2]), 1024 values; and the
+   pair's 32 scales (and offsets) per block. Rows past N are zero.
 
    Values of two bfloat16 parts (Q6_K's per-16 scales under a per-block one, float16 checkpoints) would be
    exact too, but they stream 4 bytes a value like float32 and cost twice the tile products: measured no
    faster on decode steps and 0.72-0.76x of oneDNN's float32 GEMM on 1024-row prefills, so not taken. */
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,8 +42,9 @@
 
 /* A packed weight (slotserve_amx_pack's buffers); offsets NULL where the blocks have none. */
 typedef struct {
-    const uint16_t *values;
+    const void *values; /* bfloat16 bits (uint16), or int8 where `narrow` */
     const float *scales, *offsets;
+    int narrow;
     long min_rows; /* calls of fewer rows take the float32 path (the caller's choice, kept with the packing) */
 } slotserve_amx_weight;
 
@@ -94,11 +101,32 @@ static int block_fit(const float *w, int with_offset, float *scale, float *offse
     return 1;
 }
 
-/* Packs w [N][K] (K a multiple of BLOCK) as w = scale * v (+ offset) per block, v bfloat16, into `values`
-   (uint16, pairs * K * PAIR), `scales` and, where `offsets` is not NULL, `offsets` (float, pairs * K /
-   BLOCK * PAIR each), pairs = ceil(N / PAIR). Returns 0, or -1 where some block has no such form (nothing
-   usable is left in the buffers then). */
-int slotserve_amx_pack(const float *w, long N, long K, float *offsets, uint16_t *values, float *scales,
+/* Rescales a fitted block's values v and its scale so the values are integers in [-128, 127], where they
+   are a power of two times such integers. Returns 0 where they are not (or the scale would not be normal). */
+static int integer_fit(float *v, float *scale) {
+    int low = INT32_MAX; /* the exponent of the lowest set bit of any value */
+    for (int i = 0; i < BLOCK; i++)
+        if (v[i] != 0.0f) {
+            const uint32_t u = float_bits(v[i]);
+            const int e = (int)((u >> 23) & 0xff) - 150 + __builtin_ctz((u & 0x7fffff) | 0x800000);
+            low = e < low ? e : low;
+        }
+    if (low == INT32_MAX)
+        return 1;
+    for (int i = 0; i < BLOCK; i++) {
+        v[i] = ldexpf(v[i], -low);
+        if (v[i] < -128.0f || v[i] > 127.0f)
+            return 0;
+    }
+    *scale = ldexpf(*scale, low);
+    return normal_or_zero(*scale);
+}
+
+/* Packs w [N][K] (K a multiple of BLOCK) as w = scale * v (+ offset) per block, v bfloat16 (int8 where
+   `narrow`), into `values` (pairs * K * PAIR of them), `scales` and, where `offsets` is not NULL, `offsets`
+   (float, pairs * K / BLOCK * PAIR each), pairs = ceil(N / PAIR). Returns 0, or -1 where some block has no
+   such form (nothing usable is left in the buffers then). */
+int slotserve_amx_pack(const float *w, long N, long K, float *offsets, void *values, float *scales, int narrow,
                        int threads) {
     if (K % BLOCK)
         return -1;
@@ -107,21 +135,26 @@ int slotserve_amx_pack(const float *w, long N, long K, float *offsets, uint16_t 
 #pragma omp parallel for schedule(dynamic, 4) num_threads(threads) reduction(| : bad)
     for (long p = 0; p < pairs; p++) {
         for (long b = 0; b < blocks && !bad; b++) {
-            uint16_t *tiles = values + (p * blocks + b) * 2 * TILE * BLOCK;
-            const long at = (p * blocks + b) * PAIR;
+            const long tiles = (p * blocks + b) * 2 * TILE * BLOCK, at = (p * blocks + b) * PAIR;
             for (int r = 0; r < PAIR; r++) {
                 const long n = p * PAIR + r;
                 const int t = r / TILE, col = r % TILE;
                 float v[BLOCK] = {0}, scale = 1.0f, offset = 0.0f;
-                if (n < N && !block_fit(w + n * K + b * BLOCK, offsets != NULL, &scale, &offset, v)) {
+                if (n < N && (!block_fit(w + n * K + b * BLOCK, offsets != NULL, &scale, &offset, v) ||
+                              (narrow && !integer_fit(v, &scale)))) {
                     bad = 1;
                     break;
                 }
                 scales[at + r] = scale;
                 if (offsets)
                     offsets[at + r] = offset;
-                for (int k = 0; k < BLOCK; k++)
-                    tiles[t * TILE * BLOCK + ((k / 2) * TILE + col) * 2 + k % 2] = (uint16_t)(float_bits(v[k]) >> 16);
+                for (int k = 0; k < BLOCK; k++) {
+                    const long i = tiles + t * TILE * BLOCK + ((k / 2) * TILE + col) * 2 + k % 2;
+                    if (narrow)
+                        ((int8_t *)values)[i] = (int8_t)v[k];
+                    else
+                        ((uint16_t *)values)[i] = (uint16_t)(float_bits(v[k]) >> 16);
+                }
             }
         }
     }
@@ -192,23 +225,37 @@ static void split_tile(const float *x, long M, long K, long m0, uint16_t *parts,
    Where `prefetch` is set (a call of one row tile: a decode step, whose weights come from DRAM once each)
    the next block's weights are fetched into L2 while this one multiplies: 1.03-1.05x beyond the turns on
    the default model's shapes, 24 layers' copies, 2 threads. With more row tiles the weights come from L3
-   for all but the first, and the same prefetch measured 0.91-0.95x. */
+   for all but the first, and the same prefetch measured 0.91-0.95x.
+   A narrow block is widened into `wide` first: against its bfloat16 packing, same run, 1.03-1.07x on 32
+   rows (six runs of 15 rounds, gate/up and down shapes, 24 copies), 1.24x on one row, 0.97-1.02x on 512. */
 static void pair_rows(const uint16_t *parts, const float *xsums, const slotserve_amx_weight *w, const float *bias,
                       float *out, long M, long N, long K, long p, long m0, int prefetch) {
     const long blocks = K / BLOCK;
     const int rows = M - m0 > TILE ? PAIR : TILE;
     float sums[GROUP][4 * TILE * TILE] __attribute__((aligned(64)));
     float acc[2][PAIR][TILE] __attribute__((aligned(64)));
+    uint16_t wide[2 * TILE * BLOCK] __attribute__((aligned(64))); /* a narrow block as bfloat16 */
+    const long size = w->narrow ? 1 : 2;                            /* bytes a value */
     memset(acc, 0, sizeof acc);
     for (long g0 = 0; g0 < blocks; g0 += GROUP) {
         const int group = blocks - g0 < GROUP ? blocks - g0 : GROUP;
         for (int g = 0; g < group; g++) {
             const long b = g0 + g;
-            const uint16_t *wb = w->values + (p * blocks + b) * 2 * TILE * BLOCK;
-            const uint16_t *xb = parts + b * 3 * PAIR * BLOCK;
+            const long at = (p * blocks + b) * 2 * TILE * BLOCK; /* in values */
+            const uint16_t *wb = (const uint16_t *)w->values + at, *xb = parts + b * 3 * PAIR * BLOCK;
             if (prefetch && b + 1 < blocks)
-                for (int at = 0; at < 2 * TILE * BLOCK * 2; at += 64)
-                    _mm_prefetch((const char *)(wb + 2 * TILE * BLOCK) + at, _MM_HINT_T1);
+                for (long i = 0; i < 2 * TILE * BLOCK * size; i += 64)
+                    _mm_prefetch((const char *)w->values + (at + 2 * TILE * BLOCK) * size + i, _MM_HINT_T1);
+            if (w->narrow) {
+                const int8_t *q = (const int8_t *)w->values + at;
+                for (int i = 0; i < 2 * TILE * BLOCK; i += 32) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(q + i));
+                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+                    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+                    _mm512_store_si512((__m512i *)(wide + i), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                }
+                wb = wide;
+            }
             /* One weight tile at a time: its sums are stored while the other one's products run. */
             for (int t = 0; t < 2; t++) {
                 _tile_loadd(4, wb + t * TILE * BLOCK, 64);

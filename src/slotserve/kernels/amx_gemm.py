@@ -2,9 +2,10 @@
 
 `AmxWeight.pack(weight, bias)` packs a float32 weight that is, in every block of 32 along a row, a scale
 times bfloat16 values, plus an offset or not (a GGUF's Q8_0/Q5_0/Q4_K tensors, a bfloat16 checkpoint loaded
-in float32), or answers None for any other weight; calling the packed weight is F.linear. `available()`
-says whether this CPU and kernel run AMX (Linux asks each process to request the tile registers;
-`SLOTSERVE_AMX=0` turns the path off).
+in float32), or answers None for any other weight; calling the packed weight is F.linear. Values that are
+all small integers (GGUF's) are kept in 1 byte each (`narrow`), others in 2; the results are the same bits.
+`available()` says whether this CPU and kernel run AMX (Linux asks each process to request the tile
+registers; `SLOTSERVE_AMX=0` turns the path off).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ BLOCK, PAIR = 32, 32  # k per scale; weight rows per packed pair of tiles
 # (layers/linear.py has the figures); 12 is where its broadcast form starts too (small_gemm.c's DOT_ROWS + 1).
 MIN_ROWS = 12
 BYTES_PER_WEIGHT = 2 + 2 * 4 / BLOCK  # the most a packing keeps: a bfloat16, a scale and an offset per block
-_PACK_ARGS = (ctypes.c_void_p, ctypes.c_long, ctypes.c_long) + (ctypes.c_void_p,) * 3 + (ctypes.c_int,)
+_PACK_ARGS = (ctypes.c_void_p, ctypes.c_long, ctypes.c_long) + (ctypes.c_void_p,) * 3 + (ctypes.c_int,) * 2
 _GEMM_ARGS = (ctypes.c_void_p,) * 4 + (ctypes.c_long,) * 3 + (ctypes.c_int,)
 
 
@@ -33,7 +34,7 @@ class Packing(ctypes.Structure):
     """amx_gemm.c's slotserve_amx_weight: a packed weight's buffers (NULL values: not packed)."""
 
     _fields_ = [("values", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
-                ("min_rows", ctypes.c_long)]
+                ("narrow", ctypes.c_int), ("min_rows", ctypes.c_long)]
 
 
 @functools.cache
@@ -52,14 +53,15 @@ class AmxWeight:
                  scales: torch.Tensor, offsets: torch.Tensor | None) -> None:
         self.weight, self.bias, self.values, self.scales, self.offsets = weight, bias, values, scales, offsets
         self.n, self.k = weight.shape
+        self.narrow = values.dtype == torch.int8
         self.packing = Packing(values.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
-                               MIN_ROWS)
+                               self.narrow, MIN_ROWS)
         self._gemm = native.require(native.function(SOURCE, "slotserve_amx_gemm", _GEMM_ARGS), SOURCE)
 
     @classmethod
-    def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> AmxWeight | None:
-        """The packed weight, without offsets where every block allows, or None where some block has no
-        form (or AMX is not here)."""
+    def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, narrow: bool = True) -> AmxWeight | None:
+        """The packed weight, in int8 values where every block allows and `narrow` asks, else bfloat16 ones;
+        without offsets where every block allows. None where some block has no form (or AMX is not here)."""
         if not available() or weight.dim() != 2 or weight.shape[1] % BLOCK or not native.takes(weight):
             return None
         if bias is not None and (bias.shape != weight.shape[:1] or not native.takes(bias)):
@@ -68,12 +70,13 @@ class AmxWeight:
         n, k = weight.shape
         scalars = -(-n // PAIR) * PAIR * (k // BLOCK)
         pack = native.require(native.function(SOURCE, "slotserve_amx_pack", _PACK_ARGS), SOURCE)
-        values = host_memory.zeros((scalars * BLOCK,), torch.int16, weight.device)  # what a step streams
         scales = torch.empty(scalars)
-        for offsets in (None, torch.empty(scalars)):
-            if not pack(weight.data_ptr(), n, k, None if offsets is None else offsets.data_ptr(), values.data_ptr(),
-                        scales.data_ptr(), torch.get_num_threads()):
-                return cls(weight, None if bias is None else bias.contiguous(), values, scales, offsets)
+        for dtype in (torch.int8, torch.int16)[0 if narrow else 1:]:
+            values = host_memory.zeros((scalars * BLOCK,), dtype, weight.device)  # what a step streams
+            for offsets in (None, torch.empty(scalars)):
+                if not pack(weight.data_ptr(), n, k, None if offsets is None else offsets.data_ptr(), values.data_ptr(),
+                            scales.data_ptr(), dtype == torch.int8, torch.get_num_threads()):
+                    return cls(weight, None if bias is None else bias.contiguous(), values, scales, offsets)
         return None
 
     def runs(self, rows: int) -> bool:
