@@ -81,13 +81,13 @@ def test_integer_blocks_pack_in_a_byte_a_value_with_the_same_bits(weight, narrow
     packed, wide = amx_gemm.AmxWeight.pack(weight), amx_gemm.AmxWeight.pack(weight, narrow=False)
     assert packed.narrow == narrow and packed.values.element_size() == (1 if narrow else 2) and not wide.narrow
     x = torch.randn(amx_gemm.PAIR * 4 * torch.get_num_threads() + 13, 128)
-    for rows in (1, amx_gemm.MIN_ROWS, 45, x.shape[0]):  # one row tile (prefetching), a few, one per thread
+    for rows in (amx_gemm.MIN_ROWS, 45, x.shape[0]):  # one row tile (prefetching), a few, one per thread
         assert torch.equal(packed(x[:rows]), wide(x[:rows]))
 
 
 @pytest.mark.parametrize("kind", WEIGHTS)
 @pytest.mark.parametrize("n,k", [(40, 96), (1152, 896), (70, 4864)])
-@pytest.mark.parametrize("rows", [1, 13, 32, 45])
+@pytest.mark.parametrize("rows", [1, 5, amx_gemm.MIN_ROWS - 1, 13, 32, 45])  # the few-row kernel, then AMX
 def test_as_close_to_float64_as_a_float32_gemm(kind, n, k, rows):
     g = torch.Generator().manual_seed(rows)
     w, bias, x = WEIGHTS[kind](n, k), torch.randn(n, generator=g), torch.randn(rows, k, generator=g)
@@ -104,15 +104,21 @@ def test_a_row_gets_the_same_bits_in_any_batch(kind):
     # Enough row tiles that each thread splits its own (amx_gemm.c's TILES_PER_THREAD); the slices split first.
     x = torch.randn(amx_gemm.PAIR * 4 * torch.get_num_threads() + 13, 128)
     whole = packed(x)
-    for rows in (1, 7, 31, 32, 33, 64, 70):
+    for rows in (amx_gemm.MIN_ROWS, 31, 32, 33, 64, 70):
         assert torch.equal(packed(x[:rows]), whole[:rows])
-    assert torch.equal(packed(x[40:41])[0], whole[40])
+    assert torch.equal(packed(x[40:52])[0], whole[40])
+    # Fewer rows take the few-row kernel (a narrow packing's): the same bits in any batch of those.
+    few = packed(x[:amx_gemm.MIN_ROWS - 1])
+    for rows in (1, 2, 3, 4, 5, 7):
+        assert torch.equal(packed(x[:rows]), few[:rows])
+    assert torch.equal(packed(x[6:7])[0], few[6]) and torch.equal(packed(x[3:9]), few[3:9])
 
 
-def test_a_linear_runs_on_amx_from_min_rows_on():
+@pytest.mark.parametrize("narrow", [False, True])
+def test_a_linear_runs_on_amx_from_min_rows_on_and_on_a_narrow_packing_always(narrow):
     layer = Linear(96, 64, bias=False).requires_grad_(False)
-    layer.weight.data.copy_(_q4_k(64, 96))
-    assert layer.bind_amx()
+    layer.weight.data.copy_(_q4_k(64, 96) if narrow else torch.randn(64, 96).bfloat16().float())
+    assert layer.bind_amx() and layer.amx.narrow == narrow
     packed = layer.amx
     for rows in (1, amx_gemm.MIN_ROWS - 1, amx_gemm.MIN_ROWS, 300):
         x = torch.randn(rows, 96)
@@ -121,7 +127,7 @@ def test_a_linear_runs_on_amx_from_min_rows_on():
             layer.amx = None
             unpacked = layer(x)
             layer.amx = packed
-        assert packed.runs(rows) == (rows >= amx_gemm.MIN_ROWS)
+        assert packed.runs(rows) == (rows >= amx_gemm.MIN_ROWS or narrow)
         assert torch.equal(ours, packed(x) if packed.runs(rows) else unpacked)
 
 
@@ -169,7 +175,8 @@ def test_the_fused_step_on_amx_has_the_layer_paths_bits(tmp_path):
     fused, layers = _runner(tmp_path), _runner(tmp_path)
     assert [layer.mlp.down_proj.amx.offsets is not None for layer in fused.model.model.layers] == [False, True]
     layers.fused = None
-    for rows in (amx_gemm.MIN_ROWS - 1, amx_gemm.MIN_ROWS, 20):  # the FMA kernels, then AMX
+    # The FMA kernels (and the Q4_K layer's few-row kernel), then AMX.
+    for rows in (1, amx_gemm.MIN_ROWS - 1, amx_gemm.MIN_ROWS, 20):
         tables = [list(range(3 * i, 3 * i + 3)) for i in range(rows)]
         for runner in (fused, layers):
             runner.execute([ScheduledSeq([100 + i, 7, 9], 0, t, logits="none") for i, t in enumerate(tables)])

@@ -113,19 +113,21 @@ static int integer_fit(float *v, float *scale) {
         }
     if (low == INT32_MAX)
         return 1;
+    const double down = ldexp(1.0, -low); /* exact in double, where a float might overflow */
     for (int i = 0; i < BLOCK; i++) {
-        v[i] = ldexpf(v[i], -low);
+        v[i] = (float)(v[i] * down);
         if (v[i] < -128.0f || v[i] > 127.0f)
             return 0;
     }
-    *scale = ldexpf(*scale, low);
-    return normal_or_zero(*scale);
+    const double s = ldexp(*scale, low);
+    *scale = (float)s;
+    return normal_or_zero(*scale) && (double)*scale == s;
 }
 
 /* Packs w [N][K] (K a multiple of BLOCK) as w = scale * v (+ offset) per block, v bfloat16 (int8 where
    `narrow`), into `values` (pairs * K * PAIR of them), `scales` and, where `offsets` is not NULL, `offsets`
-   (float, pairs * K / BLOCK * PAIR each), pairs = ceil(N / PAIR). Returns 0, or -1 where some block has no
-   such form (nothing usable is left in the buffers then). */
+   (float, pairs * K / BLOCK * PAIR each), pairs = ceil(N / PAIR). Returns 0; -1 where some block has no
+   such form, -2 where all have but some not in int8 (nothing usable is left in the buffers then). */
 int slotserve_amx_pack(const float *w, long N, long K, float *offsets, void *values, float *scales, int narrow,
                        int threads) {
     if (K % BLOCK)
@@ -140,11 +142,12 @@ int slotserve_amx_pack(const float *w, long N, long K, float *offsets, void *val
                 const long n = p * PAIR + r;
                 const int t = r / TILE, col = r % TILE;
                 float v[BLOCK] = {0}, scale = 1.0f, offset = 0.0f;
-                if (n < N && (!block_fit(w + n * K + b * BLOCK, offsets != NULL, &scale, &offset, v) ||
-                              (narrow && !integer_fit(v, &scale)))) {
-                    bad = 1;
+                if (n < N && !block_fit(w + n * K + b * BLOCK, offsets != NULL, &scale, &offset, v))
+                    bad |= 1;
+                else if (n < N && narrow && !integer_fit(v, &scale))
+                    bad |= 2;
+                if (bad)
                     break;
-                }
                 scales[at + r] = scale;
                 if (offsets)
                     offsets[at + r] = offset;
@@ -158,7 +161,7 @@ int slotserve_amx_pack(const float *w, long N, long K, float *offsets, void *val
             }
         }
     }
-    return bad ? -1 : 0;
+    return bad & 1 ? -1 : bad ? -2 : 0;
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -305,6 +308,81 @@ static void pair_rows(const uint16_t *parts, const float *xsums, const slotserve
     }
 }
 
+#define FEW 4 /* rows a pass of few_rows keeps in registers: 4 accumulators each */
+
+/* Rows m0..m0+rows-1 of x against pair p of a narrow weight, on the vector units: each weight rebuilt
+   exactly in float32 (scale * v + offset, one fused multiply-add that does not round), then multiplied
+   and summed in float32. A load of 16 int8 values holds 8 rows' two k values of one k-pair (the tiles'
+   layout), so a lane sums one row's even or odd k; the two are added at the end. */
+static inline void few_rows(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long N,
+                            long K, long p, long m0, const int rows) {
+    const long blocks = K / BLOCK;
+    const __m512i dup_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i dup_hi = _mm512_add_epi32(dup_lo, _mm512_set1_epi32(8));
+    __m512 acc[FEW][2][2];
+    for (int m = 0; m < rows; m++)
+        for (int t = 0; t < 2; t++) acc[m][t][0] = acc[m][t][1] = _mm512_setzero_ps();
+    for (long b = 0; b < blocks; b++) {
+        const int8_t *q = (const int8_t *)w->values + (p * blocks + b) * 2 * TILE * BLOCK;
+        const long at = (p * blocks + b) * PAIR;
+        __m512 scale[2][2], offset[2][2], part[FEW][2][2]; /* part: the block's sums, added to acc once */
+        for (int t = 0; t < 2; t++) {
+            const __m512 s = _mm512_loadu_ps(w->scales + at + t * TILE);
+            const __m512 o = w->offsets ? _mm512_loadu_ps(w->offsets + at + t * TILE) : _mm512_setzero_ps();
+            scale[t][0] = _mm512_permutexvar_ps(dup_lo, s), scale[t][1] = _mm512_permutexvar_ps(dup_hi, s);
+            offset[t][0] = _mm512_permutexvar_ps(dup_lo, o), offset[t][1] = _mm512_permutexvar_ps(dup_hi, o);
+            for (int m = 0; m < rows; m++) part[m][t][0] = part[m][t][1] = _mm512_setzero_ps();
+        }
+        for (int kp = 0; kp < BLOCK / 2; kp++) {
+            __m512 xs[FEW]; /* each row's k-pair, in every pair of lanes */
+            for (int m = 0; m < rows; m++)
+                xs[m] = _mm512_castpd_ps(
+                    _mm512_broadcastsd_pd(_mm_load_sd((const double *)(x + (m0 + m) * K + b * BLOCK + 2 * kp))));
+            for (int t = 0; t < 2; t++)
+                for (int h = 0; h < 2; h++) {
+                    const __m128i v = _mm_loadu_si128((const __m128i *)(q + t * TILE * BLOCK + kp * 2 * TILE + h * 16));
+                    const __m512 wv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)), scale[t][h],
+                                                      offset[t][h]);
+                    for (int m = 0; m < rows; m++) part[m][t][h] = _mm512_fmadd_ps(wv, xs[m], part[m][t][h]);
+                }
+        }
+        for (int m = 0; m < rows; m++)
+            for (int t = 0; t < 2; t++)
+                for (int h = 0; h < 2; h++) acc[m][t][h] = _mm512_add_ps(acc[m][t][h], part[m][t][h]);
+    }
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int t = 0; t < 2; t++) {
+        const long n0 = p * PAIR + t * TILE;
+        if (n0 >= N)
+            break;
+        const __mmask16 lanes = N - n0 >= TILE ? 0xffff : (__mmask16)((1u << (N - n0)) - 1);
+        const __m512 add = bias ? _mm512_maskz_loadu_ps(lanes, bias + n0) : _mm512_setzero_ps();
+        for (int m = 0; m < rows; m++) {
+            const __m512 sum = _mm512_add_ps(_mm512_permutex2var_ps(acc[m][t][0], even, acc[m][t][1]),
+                                             _mm512_permutex2var_ps(acc[m][t][0], odd, acc[m][t][1]));
+            _mm512_mask_storeu_ps(out + (m0 + m) * N + n0, lanes, _mm512_add_ps(sum, add));
+        }
+    }
+}
+
+/* out = x @ w^T + bias for a narrow weight and fewer rows than AMX is worth (w->min_rows): the vector units
+   read its 1-byte values where the float32 kernels would read 4 bytes a weight. */
+static void few_rows_gemm(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long M,
+                          long N, long K, int threads) {
+    const long pairs = (N + PAIR - 1) / PAIR;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long p = 0; p < pairs; p++)
+        for (long m0 = 0; m0 < M; m0 += FEW) {
+            switch (M - m0 < FEW ? M - m0 : FEW) { /* constant row counts: the accumulators stay in registers */
+            case 1: few_rows(x, w, bias, out, N, K, p, m0, 1); break;
+            case 2: few_rows(x, w, bias, out, N, K, p, m0, 2); break;
+            case 3: few_rows(x, w, bias, out, N, K, p, m0, 3); break;
+            default: few_rows(x, w, bias, out, N, K, p, m0, FEW);
+            }
+        }
+}
+
 /* out = x @ w^T + bias with w packed by slotserve_amx_pack; bias may be NULL. Returns 0, or -1 where the
    scratch buffers could not be allocated. Rows go outermost: a thread's 32 rows stay in its cache while the
    weight streams past them. A call of at least TILES_PER_THREAD row tiles a thread (a prefill) gives each
@@ -314,6 +392,10 @@ static void pair_rows(const uint16_t *parts, const float *xsums, const slotserve
    0.97-1.15x. */
 int slotserve_amx_gemm(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long M, long N,
                        long K, int threads) {
+    if (w->narrow && M < w->min_rows) {
+        few_rows_gemm(x, w, bias, out, M, N, K, threads);
+        return 0;
+    }
     const long tiles = (M + PAIR - 1) / PAIR, pairs = (N + PAIR - 1) / PAIR, blocks = K / BLOCK;
     const int by_tile = tiles >= TILES_PER_THREAD * threads;
     const long parts_stride = 3 * PAIR * K, sums_stride = PAIR * blocks; /* a row tile's; 64-byte multiples */

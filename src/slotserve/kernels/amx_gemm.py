@@ -70,18 +70,24 @@ class AmxWeight:
         n, k = weight.shape
         scalars = -(-n // PAIR) * PAIR * (k // BLOCK)
         pack = native.require(native.function(SOURCE, "slotserve_amx_pack", _PACK_ARGS), SOURCE)
-        scales = torch.empty(scalars)
-        for dtype in (torch.int8, torch.int16)[0 if narrow else 1:]:
-            values = host_memory.zeros((scalars * BLOCK,), dtype, weight.device)  # what a step streams
-            for offsets in (None, torch.empty(scalars)):
-                if not pack(weight.data_ptr(), n, k, None if offsets is None else offsets.data_ptr(), values.data_ptr(),
-                            scales.data_ptr(), dtype == torch.int8, torch.get_num_threads()):
-                    return cls(weight, None if bias is None else bias.contiguous(), values, scales, offsets)
+        scales, values = torch.empty(scalars), {}
+        for offsets in (None, torch.empty(scalars)):
+            for dtype in (torch.int8, torch.int16) if narrow else (torch.int16,):
+                if dtype not in values:  # what a step streams
+                    values[dtype] = host_memory.zeros((scalars * BLOCK,), dtype, weight.device)
+                fit = pack(weight.data_ptr(), n, k, None if offsets is None else offsets.data_ptr(),
+                           values[dtype].data_ptr(), scales.data_ptr(), dtype == torch.int8, torch.get_num_threads())
+                if fit == 0:
+                    return cls(weight, None if bias is None else bias.contiguous(), values[dtype], scales, offsets)
+                if fit == -1:  # a block without a form: wider values cannot help
+                    break
         return None
 
     def runs(self, rows: int) -> bool:
-        """Whether a call with this many rows is worth AMX (the caller's float32 path takes the rest)."""
-        return rows >= MIN_ROWS
+        """Whether a call with this many rows is worth the packing (the caller's float32 path takes the rest):
+        AMX from MIN_ROWS rows on; fewer rows of a narrow packing go to the vector units, which stream its
+        1-byte values (amx_gemm.c's few_rows)."""
+        return rows >= MIN_ROWS or self.narrow
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ weight^T + bias."""
