@@ -87,7 +87,7 @@ def test_integer_blocks_pack_in_a_byte_a_value_with_the_same_bits(weight, narrow
 
 @pytest.mark.parametrize("kind", WEIGHTS)
 @pytest.mark.parametrize("n,k", [(40, 96), (1152, 896), (70, 4864)])
-@pytest.mark.parametrize("rows", [1, 5, amx_gemm.MIN_ROWS - 1, 13, 32, 45])  # the few-row kernel, then AMX
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 13, 32, 45])  # a narrow packing's few-row kernel, then AMX
 def test_as_close_to_float64_as_a_float32_gemm(kind, n, k, rows):
     g = torch.Generator().manual_seed(rows)
     w, bias, x = WEIGHTS[kind](n, k), torch.randn(n, generator=g), torch.randn(rows, k, generator=g)
@@ -104,14 +104,14 @@ def test_a_row_gets_the_same_bits_in_any_batch(kind):
     # Enough row tiles that each thread splits its own (amx_gemm.c's TILES_PER_THREAD); the slices split first.
     x = torch.randn(amx_gemm.PAIR * 4 * torch.get_num_threads() + 13, 128)
     whole = packed(x)
-    for rows in (amx_gemm.MIN_ROWS, 31, 32, 33, 64, 70):
+    for rows in (amx_gemm.FEW_ROWS + 1, 31, 32, 33, 64, 70):
         assert torch.equal(packed(x[:rows]), whole[:rows])
-    assert torch.equal(packed(x[40:52])[0], whole[40])
-    # Fewer rows take the few-row kernel (a narrow packing's): the same bits in any batch of those.
-    few = packed(x[:amx_gemm.MIN_ROWS - 1])
-    for rows in (1, 2, 3, 4, 5, 7):
+    assert torch.equal(packed(x[40:46])[0], whole[40])
+    # Fewer rows take a narrow packing's few-row kernel: the same bits in any batch of those.
+    few = packed(x[:amx_gemm.FEW_ROWS])
+    for rows in range(1, amx_gemm.FEW_ROWS):
         assert torch.equal(packed(x[:rows]), few[:rows])
-    assert torch.equal(packed(x[6:7])[0], few[6]) and torch.equal(packed(x[3:9]), few[3:9])
+    assert torch.equal(packed(x[3:4])[0], few[3]) and torch.equal(packed(x[1:3]), few[1:3])
 
 
 @pytest.mark.parametrize("narrow", [False, True])

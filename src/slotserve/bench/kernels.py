@@ -1,7 +1,8 @@
 """`slotserve bench kernels`: this machine's limits (memory read bandwidth, fp32 GEMM rate, fp32 multiply-add
 peak) and the engine's speed as fractions of the bounds they imply.
 
-- batch-1 decode streams every weight once per token: bound = bandwidth / weight bytes per token;
+- batch-1 decode streams every weight once per token: bound = bandwidth / weight bytes per token (in the
+  form the step reads them: float32, or a narrow AMX packing's bytes);
 - prefill (one 512-token prompt) and batched decode (32 sequences) are GEMM work: bound = FLOPs of the
   step (linear layers and attention) / the GEMM rate; beside it, the same FLOPs as a fraction of the
   hardware's multiply-add peak (`fma_peak`), which no float32 GEMM on the vector units beats (linears on
@@ -28,6 +29,7 @@ from slotserve.bench.timing import median_seconds, seconds
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.model_runner import ScheduledSeq
 from slotserve.kernels import native
+from slotserve.layers.linear import Linear
 from slotserve.layers.quantization import Int8Linear
 
 READ_BYTES = 1 << 30
@@ -104,12 +106,16 @@ def decode_step(engine: LLMEngine, batch: int, context_len: int,
 
 
 def linear_params(model: nn.Module) -> tuple[int, int, int]:
-    """(parameters in decoder linears, parameters in the output head, bytes of all of them)."""
+    """(parameters in decoder linears, parameters in the output head, bytes of all of them that a batch-1
+    decode step reads: a narrow AMX packing's where it serves one row, layers/linear.py)."""
     body = head = nbytes = 0
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear | Int8Linear):
             params = m.in_features * m.out_features
-            nbytes += params * (1 if isinstance(m, Int8Linear) else m.weight.element_size())
+            if isinstance(m, Linear):
+                nbytes += m.streamed_bytes(1)
+            else:
+                nbytes += params * (1 if isinstance(m, Int8Linear) else m.weight.element_size())
             if name.endswith("lm_head"):
                 head += params
             else:

@@ -22,9 +22,11 @@ from slotserve.kernels import native
 
 SOURCE = Path(__file__).with_name("amx_gemm.c")
 BLOCK, PAIR = 32, 32  # k per scale; weight rows per packed pair of tiles
-# Fewer rows stay on the FMA kernel (small_gemm.c): faster there against the first AMX kernels, no longer
-# (layers/linear.py has the figures); 12 is where its broadcast form starts too (small_gemm.c's DOT_ROWS + 1).
+# Fewer rows of a bfloat16 packing stay on the FMA kernel (small_gemm.c): faster there against the first AMX
+# kernels, no longer (layers/linear.py has the figures); 12 is where its broadcast form starts too
+# (small_gemm.c's DOT_ROWS + 1). A narrow packing takes every row count: up to FEW_ROWS on the vector units.
 MIN_ROWS = 12
+FEW_ROWS = 4  # amx_gemm.c's FEW
 BYTES_PER_WEIGHT = 2 + 2 * 4 / BLOCK  # the most a packing keeps: a bfloat16, a scale and an offset per block
 _PACK_ARGS = (ctypes.c_void_p, ctypes.c_long, ctypes.c_long) + (ctypes.c_void_p,) * 3 + (ctypes.c_int,) * 2
 _GEMM_ARGS = (ctypes.c_void_p,) * 4 + (ctypes.c_long,) * 3 + (ctypes.c_int,)
@@ -83,10 +85,15 @@ class AmxWeight:
                     break
         return None
 
+    @property
+    def nbytes(self) -> int:
+        """What a call streams of the packing: its values, scales and offsets."""
+        return sum(t.nbytes for t in (self.values, self.scales, self.offsets) if t is not None)
+
     def runs(self, rows: int) -> bool:
         """Whether a call with this many rows is worth the packing (the caller's float32 path takes the rest):
-        AMX from MIN_ROWS rows on; fewer rows of a narrow packing go to the vector units, which stream its
-        1-byte values (amx_gemm.c's few_rows)."""
+        AMX from MIN_ROWS rows on, any rows of a narrow packing (up to FEW_ROWS on the vector units, which
+        stream its 1-byte values: amx_gemm.c's few_rows; AMX from there on)."""
         return rows >= MIN_ROWS or self.narrow
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -13,12 +13,13 @@ which is 1.17x faster than x @ W^T there (457 -> 391 ms on the 32-sequence decod
 On CPUs with AMX, a weight that is a scale times bfloat16 values (plus an offset or not) in every block
 of 32 along a row (a GGUF's Q8_0/Q5_0/Q4_K tensors, a bfloat16 checkpoint in float32) runs through AMX
 from amx_gemm.MIN_ROWS rows on (`AmxWeight.runs`), with exact products and float32 sums
-(kernels/amx_gemm.c); `bind_amx` packs it, once, where it can. Fewer rows stay on the FMA kernel, which
-streamed its float32 weights faster than the first AMX kernels' fixed work per tile of rows went. Since
-the kernel prefetches a one-row-tile call's weights, AMX measures faster at every row count (the default
-model's 24 gate/up weights in huge pages, Xeon with 2 threads, FMA vs AMX per layer: 1 row 1.16 vs 0.88
-ms, 8 rows 1.59 vs 0.90, 12 rows 1.79 vs 0.90, 32 rows 2.50 vs 1.56, 64 rows 4.69 vs 3.07); lowering the
-threshold also moves batch-1 decode's bits and its bandwidth bound, and is left to a change of its own.
+(kernels/amx_gemm.c); `bind_amx` packs it, once, where it can. Fewer rows of a bfloat16 packing stay on the
+FMA kernel (the default model's 24 gate/up weights in huge pages, Xeon with 2 threads, FMA vs AMX per
+layer: 1 row 1.16 vs 0.88 ms, 8 rows 1.59 vs 0.90, 12 rows 1.79 vs 0.90, 32 rows 2.50 vs 1.56, 64 rows
+4.69 vs 3.07: AMX would win from 1 row on, but moving those rows is left to a change of its own). A
+packing of small integers (GGUF's, 1 byte a value: `narrow`) takes every row count: up to
+amx_gemm.FEW_ROWS rows on the vector units, each weight rebuilt exactly from its byte, which streams a
+quarter of the float32 bytes (batch-1 decode of the default model 12.9 -> 20.2 tok/s), and AMX above.
 
 Other prefill rows (over 64) go through oneDNN's matmul where torch has it, straight from the checkpoint's
 weight: on an AMD EPYC (2 threads, the default model's four shapes at 512 rows, same run) 134 vs 105
@@ -62,6 +63,11 @@ class Linear(nn.Linear):
         """The AMX packing of this layer's current weight and bias (None: none, or they were replaced since)."""
         amx = self.amx
         return amx if amx is not None and amx.weight is self.weight and amx.bias is self.bias else None
+
+    def streamed_bytes(self, rows: int) -> int:
+        """The weight bytes a call of this many rows reads: its AMX packing's where that runs them."""
+        amx = self.current_amx()
+        return amx.nbytes if amx is not None and amx.runs(rows) else self.weight.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or not native.takes(x, self.weight):
