@@ -131,6 +131,12 @@ def test_a_linear_runs_on_amx_from_min_rows_on_and_on_a_narrow_packing_always(na
         assert torch.equal(ours, packed(x) if packed.runs(rows) else unpacked)
 
 
+@pytest.mark.parametrize("weight", [_q4_k(64, 96), torch.randn(64, 96).bfloat16().float()])
+def test_no_rows_give_no_rows(weight):
+    packed = amx_gemm.AmxWeight.pack(weight)
+    assert packed(torch.empty(0, 96)).shape == (0, 64) and not packed.runs(0)
+
+
 def test_bad_input_is_refused():
     packed = amx_gemm.AmxWeight.pack(torch.randn(64, 64).bfloat16().float())
     with pytest.raises(ValueError, match="x"):

@@ -19,7 +19,9 @@
    where a bfloat16 value's products would be subnormal, which AMX flushes to zero: the integers keep them).
 
    A row's result depends on that row alone (the batch is cut into tiles of rows, padded with zero rows), so
-   its bits are the same in any batch. They are not the bits of the float32 FMA kernels.
+   its bits are the same in any batch. They are not the bits of the float32 FMA kernels. Calls of up to FEW
+   rows of a narrow weight run on the vector units instead (few_rows): their bits are the same in any such
+   call, but not those of AMX.
 
    Layout of a packed weight: rows in pairs of 16-row tiles; for each pair and each block of 32 along K, the
    two tiles' values as AMX wants them (pairs along K, [16 k-pairs][16 rows][2]), 1024 values; and the
@@ -45,7 +47,7 @@ typedef struct {
     const void *values; /* bfloat16 bits (uint16), or int8 where `narrow` */
     const float *scales, *offsets;
     int narrow;
-    long min_rows; /* calls of fewer rows take the float32 path (the caller's choice, kept with the packing) */
+    long min_rows; /* fewer rows of a bfloat16 packing take the float32 path (the caller's choice, kept here) */
 } slotserve_amx_weight;
 
 static uint32_t float_bits(float f) {
@@ -245,7 +247,7 @@ static void pair_rows(const uint16_t *parts, const float *xsums, const slotserve
         for (int g = 0; g < group; g++) {
             const long b = g0 + g;
             const long at = (p * blocks + b) * 2 * TILE * BLOCK; /* in values */
-            const uint16_t *wb = (const uint16_t *)w->values + at, *xb = parts + b * 3 * PAIR * BLOCK;
+            const uint16_t *wb = wide, *xb = parts + b * 3 * PAIR * BLOCK;
             if (prefetch && b + 1 < blocks)
                 for (long i = 0; i < 2 * TILE * BLOCK * size; i += 64)
                     _mm_prefetch((const char *)w->values + (at + 2 * TILE * BLOCK) * size + i, _MM_HINT_T1);
@@ -257,8 +259,8 @@ static void pair_rows(const uint16_t *parts, const float *xsums, const slotserve
                     const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
                     _mm512_store_si512((__m512i *)(wide + i), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
                 }
-                wb = wide;
-            }
+            } else
+                wb = (const uint16_t *)w->values + at;
             /* One weight tile at a time: its sums are stored while the other one's products run. */
             for (int t = 0; t < 2; t++) {
                 _tile_loadd(4, wb + t * TILE * BLOCK, 64);
@@ -396,6 +398,8 @@ static void few_rows_gemm(const float *x, const slotserve_amx_weight *w, const f
    0.97-1.15x. */
 int slotserve_amx_gemm(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long M, long N,
                        long K, int threads) {
+    if (M <= 0)
+        return 0;
     if (w->narrow && M <= FEW) {
         few_rows_gemm(x, w, bias, out, M, N, K, threads);
         return 0;

@@ -94,7 +94,7 @@ class AmxWeight:
         """Whether a call with this many rows is worth the packing (the caller's float32 path takes the rest):
         AMX from MIN_ROWS rows on, any rows of a narrow packing (up to FEW_ROWS on the vector units, which
         stream its 1-byte values: amx_gemm.c's few_rows; AMX from there on)."""
-        return rows >= MIN_ROWS or self.narrow
+        return rows >= MIN_ROWS or (self.narrow and rows > 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ weight^T + bias."""
