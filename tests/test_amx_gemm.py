@@ -131,6 +131,18 @@ def test_a_linear_runs_on_amx_from_min_rows_on_and_on_a_narrow_packing_always(na
         assert torch.equal(ours, packed(x) if packed.runs(rows) else unpacked)
 
 
+@pytest.mark.parametrize("narrow", [False, True])
+def test_a_linear_says_what_bytes_a_call_reads(narrow):
+    layer = Linear(96, 64, bias=False).requires_grad_(False)
+    layer.weight.data.copy_(_block_scaled(64, 96, 16) if narrow else torch.randn(64, 96).bfloat16().float())
+    assert layer.streamed_bytes(1) == layer.weight.nbytes  # not packed yet
+    assert layer.bind_amx()
+    scales = 64 * 96 // amx_gemm.BLOCK * 4
+    packed_bytes = 64 * 96 * (1 if narrow else 2) + scales
+    assert layer.amx.nbytes == packed_bytes and layer.streamed_bytes(amx_gemm.MIN_ROWS) == packed_bytes
+    assert layer.streamed_bytes(1) == (packed_bytes if narrow else layer.weight.nbytes)
+
+
 @pytest.mark.parametrize("weight", [_q4_k(64, 96), torch.randn(64, 96).bfloat16().float()])
 def test_no_rows_give_no_rows(weight):
     packed = amx_gemm.AmxWeight.pack(weight)
