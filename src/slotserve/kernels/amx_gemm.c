@@ -313,10 +313,13 @@ static void pair_rows(const uint16_t *parts, const float *xsums, const slotserve
 #define FEW 4 /* the most rows few_rows takes: 4 accumulators each, in registers */
 #define FEW_AHEAD 16384 /* bytes: how far ahead few_rows fetches its weights */
 
-/* The rows of x against pair p of a narrow weight, on the vector units: each weight rebuilt
-   exactly in float32 (scale * v + offset, one fused multiply-add that does not round), then multiplied
-   and summed in float32. A load of 16 int8 values holds 8 rows' two k values of one k-pair (the tiles'
-   layout), so a lane sums one row's even or odd k; the two are added at the end. */
+/* The rows of x against pair p of a narrow weight, on the vector units, in float32. Without offsets
+   (Q8_0/Q5_0 blocks) each block sums v * x and its sum is scaled, as on AMX: 1.07-1.12x against rebuilding
+   each weight first. With offsets (Q4_K blocks) each weight is rebuilt exactly first (scale * v + offset,
+   one fused multiply-add that does not round), then multiplied as by the FMA kernels: the values' and the
+   offset's terms of a block nearly cancel, and scaling the sums erred 1.7x a float32 GEMM's against
+   float64 there. A load of 16 int8 values holds 8 rows' two k values of one k-pair (the tiles' layout), so
+   a lane sums one row's even or odd k; the two are added at the end. */
 static inline void few_rows(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long N,
                             long K, long p, const int rows) {
     const long blocks = K / BLOCK;
@@ -345,14 +348,17 @@ static inline void few_rows(const float *x, const slotserve_amx_weight *w, const
             for (int t = 0; t < 2; t++)
                 for (int h = 0; h < 2; h++) {
                     const __m128i v = _mm_loadu_si128((const __m128i *)(q + t * TILE * BLOCK + kp * 2 * TILE + h * 16));
-                    const __m512 wv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)), scale[t][h],
-                                                      offset[t][h]);
+                    __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+                    if (w->offsets)
+                        wv = _mm512_fmadd_ps(wv, scale[t][h], offset[t][h]);
                     for (int m = 0; m < rows; m++) part[m][t][h] = _mm512_fmadd_ps(wv, xs[m], part[m][t][h]);
                 }
         }
         for (int m = 0; m < rows; m++)
             for (int t = 0; t < 2; t++)
-                for (int h = 0; h < 2; h++) acc[m][t][h] = _mm512_add_ps(acc[m][t][h], part[m][t][h]);
+                for (int h = 0; h < 2; h++)
+                    acc[m][t][h] = w->offsets ? _mm512_add_ps(acc[m][t][h], part[m][t][h])
+                                              : _mm512_fmadd_ps(part[m][t][h], scale[t][h], acc[m][t][h]);
     }
     const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
@@ -372,8 +378,8 @@ static inline void few_rows(const float *x, const slotserve_amx_weight *w, const
 
 /* out = x @ w^T + bias for a narrow weight and at most FEW rows, where this beats AMX's fixed work per tile
    of rows (a tile of 16 rows however few are real). Against AMX, the default model's shapes, 24 layers'
-   copies from DRAM, 2 threads: gate/up 1 row 1.86x, 4 rows 1.46x, 6 rows 0.98x; down (with offsets) 1 row
-   3.15x, 4 rows 2.32x, 8 rows 1.28x. One thread's byte loads alone keep too few lines in flight to stream
+   copies from DRAM, 2 threads, each weight rebuilt: gate/up 1 row 1.86x, 4 rows 1.46x, 6 rows 0.98x; down
+   (with offsets) 1 row 3.15x, 4 rows 2.32x, 8 rows 1.28x. One thread's byte loads alone keep too few lines in flight to stream
    DRAM (5.6 GB/s in a microbenchmark): fetching each block FEW_AHEAD bytes ahead into L2 measured 1.6-1.7x
    on 1 row and 1.3x on 4 (4-32 KB ahead alike). */
 static void few_rows_gemm(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long M,

@@ -18,9 +18,9 @@ FMA kernel (the default model's 24 gate/up weights in huge pages, Xeon with 2 th
 layer: 1 row 1.16 vs 0.88 ms, 8 rows 1.59 vs 0.90, 12 rows 1.79 vs 0.90, 32 rows 2.50 vs 1.56, 64 rows
 4.69 vs 3.07: AMX would win from 1 row on, but moving those rows is left to a change of its own). A
 packing of small integers (GGUF's, 1 byte a value: `narrow`) takes every row count: up to
-amx_gemm.FEW_ROWS rows on the vector units, each weight rebuilt exactly from its byte, which streams a
-quarter of the float32 bytes (batch-1 decode of the default model 12.9 -> ~20 tok/s in a slow hour, 33 in
-a fast one), and AMX above.
+amx_gemm.FEW_ROWS rows on the vector units, in float32 from its bytes, which streams under a third of the
+float32 bytes (batch-1 decode of the default model 12.9 -> ~22 tok/s in a slow hour, 35 in a fast one),
+and AMX above.
 
 Other prefill rows (over 64) go through oneDNN's matmul where torch has it, straight from the checkpoint's
 weight: on an AMD EPYC (2 threads, the default model's four shapes at 512 rows, same run) 134 vs 105
