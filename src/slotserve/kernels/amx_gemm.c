@@ -220,6 +220,15 @@ static void split_tile(const float *x, long M, long K, long m0, uint16_t *parts,
         }
 }
 
+/* The lanes of the output tile from column n0 that lie inside N, and the bias over them (0 without one). */
+static inline __mmask16 out_lanes(long N, long n0) {
+    return N - n0 >= TILE ? 0xffff : (__mmask16)((1u << (N - n0)) - 1);
+}
+
+static inline __m512 out_bias(const float *bias, __mmask16 lanes, long n0) {
+    return bias ? _mm512_maskz_loadu_ps(lanes, bias + n0) : _mm512_setzero_ps();
+}
+
 /* Rows m0..m0+31 (m0..m0+15 where the rest are past M), split by split_tile into parts and xsums, against
    the weight pair p, all blocks; written to out where m < M and n < N. The tile sums of GROUP blocks are
    stored, then scaled and summed, and that part added to acc: summing block by block into acc erred up to
@@ -303,8 +312,8 @@ static void pair_rows(const uint16_t *parts, const float *xsums, const slotserve
         const long n0 = p * PAIR + t * TILE;
         if (n0 >= N)
             break;
-        const __mmask16 lanes = N - n0 >= TILE ? 0xffff : (__mmask16)((1u << (N - n0)) - 1);
-        const __m512 add = bias ? _mm512_maskz_loadu_ps(lanes, bias + n0) : _mm512_setzero_ps();
+        const __mmask16 lanes = out_lanes(N, n0);
+        const __m512 add = out_bias(bias, lanes, n0);
         for (int m = 0; m < rows && m0 + m < M; m++)
             _mm512_mask_storeu_ps(out + (m0 + m) * N + n0, lanes, _mm512_add_ps(_mm512_load_ps(acc[t][m]), add));
     }
@@ -366,8 +375,8 @@ static inline void few_rows(const float *x, const slotserve_amx_weight *w, const
         const long n0 = p * PAIR + t * TILE;
         if (n0 >= N)
             break;
-        const __mmask16 lanes = N - n0 >= TILE ? 0xffff : (__mmask16)((1u << (N - n0)) - 1);
-        const __m512 add = bias ? _mm512_maskz_loadu_ps(lanes, bias + n0) : _mm512_setzero_ps();
+        const __mmask16 lanes = out_lanes(N, n0);
+        const __m512 add = out_bias(bias, lanes, n0);
         for (int m = 0; m < rows; m++) {
             const __m512 sum = _mm512_add_ps(_mm512_permutex2var_ps(acc[m][t][0], even, acc[m][t][1]),
                                              _mm512_permutex2var_ps(acc[m][t][0], odd, acc[m][t][1]));
