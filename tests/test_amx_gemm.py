@@ -165,7 +165,7 @@ def _runner(path) -> ModelRunner:
 def test_a_bfloat16_checkpoint_runs_on_amx_and_matches_transformers(tmp_path, arch):
     hf = build_tiny_model(tmp_path, arch, dtype=torch.bfloat16)
     runner = _runner(tmp_path)
-    assert runner.amx_linears == runner.linears > 0 and runner.fused is not None
+    assert runner.packed_linears == runner.linears > 0 and runner.fused is not None
     prompt = [9707, 11, 1879, 0, 358, 1079, 264, 1632, 17, 151644, 77091, 198, 40, 2776]  # 14 rows: AMX
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]

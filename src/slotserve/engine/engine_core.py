@@ -18,6 +18,7 @@ from slotserve.config import EngineConfig, ModelConfig, parse_device, parse_dtyp
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
 from slotserve.engine.request import EngineCoreOutput, EngineCoreRequest, Request
 from slotserve.engine.scheduler import Scheduler
+from slotserve.kernels import amx_gemm
 from slotserve.kv_cache.manager import KVCacheManager
 from slotserve.layers.quantization import quantize_int8
 from slotserve.layers.sampler import Sampler, SamplingState, prompt_logprobs
@@ -81,8 +82,9 @@ class EngineCore:
                     self.load_seconds, num_blocks, config.block_size, num_blocks * config.block_size,
                     self.max_model_len, self.runner.decode_mode,
                     "; small-batch GEMM: native" if self.runner.native_gemm else "",
-                    f"; AMX: {self.runner.amx_linears} of {self.runner.linears} linears"
-                    if self.runner.amx_linears else "",
+                    f"; {'AMX' if amx_gemm.available() else f'bytes for 1-{amx_gemm.FEW_ROWS} rows'}: "
+                    f"{self.runner.packed_linears} of {self.runner.linears} linears"
+                    if self.runner.packed_linears else "",
                     "; decode steps: fused" if self.runner.fused else "",
                     "; weights in huge pages" if self.weights_in_huge_pages else "")
 

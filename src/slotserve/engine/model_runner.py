@@ -42,13 +42,13 @@ class ScheduledSeq:
 
 
 def _bind_amx(linears: list[Linear]) -> int:
-    """Packs for AMX the linears whose weights allow it (layers/linear.py), unless their packed copies, kept
+    """Packs (amx_gemm.py) the linears whose weights allow it (layers/linear.py), unless their packed copies, kept
     beside the float32 weights, could take over half the memory still available; how many it packed."""
     need = amx_gemm.BYTES_PER_WEIGHT * sum(m.weight.numel() for m in linears)
     available = available_memory(torch.device("cpu")).available
     if need > available / 2:
-        log.warning("AMX off: packing the linears could take %.1f GiB of the %.1f GiB available", need / 2**30,
-                    available / 2**30)
+        log.warning("weights not packed: packing the linears could take %.1f GiB of the %.1f GiB available",
+                    need / 2**30, available / 2**30)
         return 0
     with torch.inference_mode():
         return sum(m.bind_amx() for m in linears)
@@ -75,9 +75,10 @@ class ModelRunner:
         cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
         self.native_gemm = cpu_fp32 and small_gemm.available()
         self.native_rows = cpu_fp32 and rows.available()
-        # On CPUs with AMX, the linears whose weights are scale x bfloat16 per block run there (layers/linear.py).
+        # The linears whose weights are scale x bfloat16 per block run packed: on AMX where it is, and their
+        # steps of a few rows on the vector units from bytes where GGUF's integers allow (layers/linear.py).
         linears = [m for m in model.modules() if isinstance(m, Linear)]
-        self.amx_linears = _bind_amx(linears) if cpu_fp32 and amx_gemm.available() else 0
+        self.packed_linears = _bind_amx(linears) if cpu_fp32 and amx_gemm.packs() else 0
         self.linears = len(linears)
         self.gather_limit = gather_max_tokens(cfg.num_key_value_heads, cfg.head_dim, self.dtype)
         shape = (cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)

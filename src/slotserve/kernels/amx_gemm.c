@@ -36,6 +36,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vector.h"
+
 #define BLOCK 32 /* k per block: one tile row of bfloat16 */
 #define TILE 16  /* rows of a tile, and outputs of a weight tile */
 #define PAIR 32  /* outputs of the two weight tiles multiplied together */
@@ -47,7 +49,9 @@ typedef struct {
     const void *values; /* bfloat16 bits (uint16), or int8 where `narrow` */
     const float *scales, *offsets;
     int narrow;
-    long min_rows; /* fewer rows of a bfloat16 packing take the float32 path (the caller's choice, kept here) */
+    /* The rows it takes (the caller's choice, kept here): from min_rows on, any of a narrow packing, none past
+       max_rows (FEW without AMX); the float32 path takes the rest. */
+    long min_rows, max_rows;
 } slotserve_amx_weight;
 
 static uint32_t float_bits(float f) {
@@ -164,6 +168,141 @@ int slotserve_amx_pack(const float *w, long N, long K, float *offsets, void *val
         }
     }
     return bad & 1 ? -1 : bad ? -2 : 0;
+}
+
+/* The few-row kernel: rows of a narrow packing on the vector units, in float32 from its bytes, on any CPU
+   (vector.h's width: 16 lanes with AVX-512, 8 with AVX2; the same operations lane by lane, so the same bits
+   in either build). */
+
+#define FEW 4 /* the most rows few_rows takes: its accumulators stay in registers */
+#define FEW_AHEAD 16384 /* bytes: how far ahead few_rows fetches its weights */
+#define SUBS (2 * TILE / VW) /* vectors of one k-pair of a weight tile: its TILE outputs' two k values */
+#define TILES_AT_ONCE (VW == 16 ? 2 : 1) /* weight tiles a pass over the blocks takes: AVX2's 16 registers hold one */
+
+/* The two floats at p in every pair of lanes. */
+static inline vf splat2(const float *p) {
+#if VW == 16
+    return (vf)_mm512_castpd_ps(_mm512_broadcastsd_pd(_mm_load_sd((const double *)p)));
+#elif defined(__AVX__)
+    return (vf)_mm256_castpd_ps(_mm256_broadcast_sd((const double *)p));
+#else
+    vf v;
+    for (int i = 0; i < VW; i++) v[i] = p[i % 2];
+    return v;
+#endif
+}
+
+/* VW int8 values at p as floats. */
+static inline vf byte_floats(const int8_t *p) {
+#if VW == 16
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    vf v;
+    for (int i = 0; i < VW; i++) v[i] = p[i];
+    return v;
+#endif
+}
+
+/* VW / 2 floats at p, each in two neighbouring lanes (a k-pair's scale, per output). */
+static inline vf dup_half(const float *p) {
+#if VW == 16
+    v8 h;
+    memcpy(&h, p, sizeof h);
+    return __builtin_shufflevector(h, h, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+#else
+    v4 h;
+    memcpy(&h, p, sizeof h);
+    return __builtin_shufflevector(h, h, 0, 0, 1, 1, 2, 2, 3, 3);
+#endif
+}
+
+/* The even lanes' sums plus the odd lanes', of two vectors: VW outputs. */
+static inline vf pair_sums(vf a, vf b) {
+#if VW == 16
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
+}
+
+/* The rows of x against pair p of a narrow weight, in float32. Without offsets (Q8_0/Q5_0 blocks) each block
+   sums v * x and its sum is scaled, as on AMX: 1.07-1.12x against rebuilding each weight first. With offsets
+   (Q4_K blocks) each weight is rebuilt exactly first (scale * v + offset, one fused multiply-add that does not
+   round), then multiplied as by the FMA kernels: the values' and the offset's terms of a block nearly cancel,
+   and scaling the sums erred 1.7x a float32 GEMM's against float64 there. A load of VW int8 values holds
+   VW / 2 outputs' two k values of one k-pair (the tiles' layout), so a lane sums one output's even or odd k;
+   the two are added at the end. */
+static inline void few_rows(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long N,
+                            long K, long p, const int rows) {
+    const long blocks = K / BLOCK;
+    for (int t0 = 0; t0 < 2; t0 += TILES_AT_ONCE) {
+        vf acc[FEW][TILES_AT_ONCE][SUBS];
+        for (int m = 0; m < rows; m++)
+            for (int t = 0; t < TILES_AT_ONCE; t++)
+                for (int h = 0; h < SUBS; h++) acc[m][t][h] = splat(0.0f);
+        for (long b = 0; b < blocks; b++) {
+            const int8_t *q = (const int8_t *)w->values + (p * blocks + b) * 2 * TILE * BLOCK;
+            const long at = (p * blocks + b) * PAIR;
+            for (int i = 0; i < 2 * TILE * BLOCK; i += 64) __builtin_prefetch(q + FEW_AHEAD + i, 0, 2);
+            vf scale[TILES_AT_ONCE][SUBS], offset[TILES_AT_ONCE][SUBS], part[FEW][TILES_AT_ONCE][SUBS];
+            for (int t = 0; t < TILES_AT_ONCE; t++)
+                for (int h = 0; h < SUBS; h++) {
+                    const long c = at + (t0 + t) * TILE + h * VW / 2;
+                    scale[t][h] = dup_half(w->scales + c);
+                    offset[t][h] = w->offsets ? dup_half(w->offsets + c) : splat(0.0f);
+                    for (int m = 0; m < rows; m++) part[m][t][h] = splat(0.0f);
+                }
+            for (int kp = 0; kp < BLOCK / 2; kp++) {
+                vf xs[FEW]; /* each row's k-pair, in every pair of lanes */
+                for (int m = 0; m < rows; m++) xs[m] = splat2(x + m * K + b * BLOCK + 2 * kp);
+                for (int t = 0; t < TILES_AT_ONCE; t++)
+                    for (int h = 0; h < SUBS; h++) {
+                        vf wv = byte_floats(q + (t0 + t) * TILE * BLOCK + kp * 2 * TILE + h * VW);
+                        if (w->offsets)
+                            wv = fmadd(wv, scale[t][h], offset[t][h]);
+                        for (int m = 0; m < rows; m++) part[m][t][h] = fmadd(wv, xs[m], part[m][t][h]);
+                    }
+            }
+            for (int m = 0; m < rows; m++)
+                for (int t = 0; t < TILES_AT_ONCE; t++)
+                    for (int h = 0; h < SUBS; h++)
+                        acc[m][t][h] = w->offsets ? acc[m][t][h] + part[m][t][h]
+                                                  : fmadd(part[m][t][h], scale[t][h], acc[m][t][h]);
+        }
+        for (int t = 0; t < TILES_AT_ONCE; t++)
+            for (int h = 0; h < SUBS; h += 2) {
+                const long n0 = p * PAIR + (t0 + t) * TILE + h * VW / 2;
+                const long n = N - n0 < VW ? N - n0 : VW; /* outputs here */
+                for (int m = 0; m < rows && n > 0; m++) {
+                    float sums[VW];
+                    store(sums, pair_sums(acc[m][t][h], acc[m][t][h + 1]));
+                    for (long i = 0; i < n; i++) out[m * N + n0 + i] = sums[i] + (bias ? bias[n0 + i] : 0.0f);
+                }
+            }
+    }
+}
+
+/* out = x @ w^T + bias for a narrow weight and at most FEW rows, where this beats AMX's fixed work per tile
+   of rows (a tile of 16 rows however few are real), and where there is no AMX. Against AMX, the default
+   model's shapes, 24 layers' copies from DRAM, 2 threads, each weight rebuilt: gate/up 1 row 1.86x, 4 rows
+   1.46x, 6 rows 0.98x; down (with offsets) 1 row 3.15x, 4 rows 2.32x, 8 rows 1.28x. One thread's byte loads
+   alone keep too few lines in flight to stream DRAM (5.6 GB/s in a microbenchmark): fetching each block
+   FEW_AHEAD bytes ahead into L2 measured 1.6-1.7x on 1 row and 1.3x on 4 (4-32 KB ahead alike). */
+static void few_rows_gemm(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long M,
+                          long N, long K, int threads) {
+    const long pairs = (N + PAIR - 1) / PAIR;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long p = 0; p < pairs; p++)
+        switch (M) { /* constant row counts: the accumulators stay in registers */
+        case 1: few_rows(x, w, bias, out, N, K, p, 1); break;
+        case 2: few_rows(x, w, bias, out, N, K, p, 2); break;
+        case 3: few_rows(x, w, bias, out, N, K, p, 3); break;
+        default: few_rows(x, w, bias, out, N, K, p, FEW);
+        }
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -319,91 +458,6 @@ static void pair_rows(const uint16_t *parts, const float *xsums, const slotserve
     }
 }
 
-#define FEW 4 /* the most rows few_rows takes: 4 accumulators each, in registers */
-#define FEW_AHEAD 16384 /* bytes: how far ahead few_rows fetches its weights */
-
-/* The rows of x against pair p of a narrow weight, on the vector units, in float32. Without offsets
-   (Q8_0/Q5_0 blocks) each block sums v * x and its sum is scaled, as on AMX: 1.07-1.12x against rebuilding
-   each weight first. With offsets (Q4_K blocks) each weight is rebuilt exactly first (scale * v + offset,
-   one fused multiply-add that does not round), then multiplied as by the FMA kernels: the values' and the
-   offset's terms of a block nearly cancel, and scaling the sums erred 1.7x a float32 GEMM's against
-   float64 there. A load of 16 int8 values holds 8 rows' two k values of one k-pair (the tiles' layout), so
-   a lane sums one row's even or odd k; the two are added at the end. */
-static inline void few_rows(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long N,
-                            long K, long p, const int rows) {
-    const long blocks = K / BLOCK;
-    const __m512i dup_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i dup_hi = _mm512_add_epi32(dup_lo, _mm512_set1_epi32(8));
-    __m512 acc[FEW][2][2];
-    for (int m = 0; m < rows; m++)
-        for (int t = 0; t < 2; t++) acc[m][t][0] = acc[m][t][1] = _mm512_setzero_ps();
-    for (long b = 0; b < blocks; b++) {
-        const int8_t *q = (const int8_t *)w->values + (p * blocks + b) * 2 * TILE * BLOCK;
-        const long at = (p * blocks + b) * PAIR;
-        for (int i = 0; i < 2 * TILE * BLOCK; i += 64) _mm_prefetch((const char *)q + FEW_AHEAD + i, _MM_HINT_T1);
-        __m512 scale[2][2], offset[2][2], part[FEW][2][2]; /* part: the block's sums, added to acc once */
-        for (int t = 0; t < 2; t++) {
-            const __m512 s = _mm512_loadu_ps(w->scales + at + t * TILE);
-            const __m512 o = w->offsets ? _mm512_loadu_ps(w->offsets + at + t * TILE) : _mm512_setzero_ps();
-            scale[t][0] = _mm512_permutexvar_ps(dup_lo, s), scale[t][1] = _mm512_permutexvar_ps(dup_hi, s);
-            offset[t][0] = _mm512_permutexvar_ps(dup_lo, o), offset[t][1] = _mm512_permutexvar_ps(dup_hi, o);
-            for (int m = 0; m < rows; m++) part[m][t][0] = part[m][t][1] = _mm512_setzero_ps();
-        }
-        for (int kp = 0; kp < BLOCK / 2; kp++) {
-            __m512 xs[FEW]; /* each row's k-pair, in every pair of lanes */
-            for (int m = 0; m < rows; m++)
-                xs[m] = _mm512_castpd_ps(
-                    _mm512_broadcastsd_pd(_mm_load_sd((const double *)(x + m * K + b * BLOCK + 2 * kp))));
-            for (int t = 0; t < 2; t++)
-                for (int h = 0; h < 2; h++) {
-                    const __m128i v = _mm_loadu_si128((const __m128i *)(q + t * TILE * BLOCK + kp * 2 * TILE + h * 16));
-                    __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
-                    if (w->offsets)
-                        wv = _mm512_fmadd_ps(wv, scale[t][h], offset[t][h]);
-                    for (int m = 0; m < rows; m++) part[m][t][h] = _mm512_fmadd_ps(wv, xs[m], part[m][t][h]);
-                }
-        }
-        for (int m = 0; m < rows; m++)
-            for (int t = 0; t < 2; t++)
-                for (int h = 0; h < 2; h++)
-                    acc[m][t][h] = w->offsets ? _mm512_add_ps(acc[m][t][h], part[m][t][h])
-                                              : _mm512_fmadd_ps(part[m][t][h], scale[t][h], acc[m][t][h]);
-    }
-    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    for (int t = 0; t < 2; t++) {
-        const long n0 = p * PAIR + t * TILE;
-        if (n0 >= N)
-            break;
-        const __mmask16 lanes = out_lanes(N, n0);
-        const __m512 add = out_bias(bias, lanes, n0);
-        for (int m = 0; m < rows; m++) {
-            const __m512 sum = _mm512_add_ps(_mm512_permutex2var_ps(acc[m][t][0], even, acc[m][t][1]),
-                                             _mm512_permutex2var_ps(acc[m][t][0], odd, acc[m][t][1]));
-            _mm512_mask_storeu_ps(out + m * N + n0, lanes, _mm512_add_ps(sum, add));
-        }
-    }
-}
-
-/* out = x @ w^T + bias for a narrow weight and at most FEW rows, where this beats AMX's fixed work per tile
-   of rows (a tile of 16 rows however few are real). Against AMX, the default model's shapes, 24 layers'
-   copies from DRAM, 2 threads, each weight rebuilt: gate/up 1 row 1.86x, 4 rows 1.46x, 6 rows 0.98x; down
-   (with offsets) 1 row 3.15x, 4 rows 2.32x, 8 rows 1.28x. One thread's byte loads alone keep too few lines in flight to stream
-   DRAM (5.6 GB/s in a microbenchmark): fetching each block FEW_AHEAD bytes ahead into L2 measured 1.6-1.7x
-   on 1 row and 1.3x on 4 (4-32 KB ahead alike). */
-static void few_rows_gemm(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long M,
-                          long N, long K, int threads) {
-    const long pairs = (N + PAIR - 1) / PAIR;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (long p = 0; p < pairs; p++)
-        switch (M) { /* constant row counts: the accumulators stay in registers */
-        case 1: few_rows(x, w, bias, out, N, K, p, 1); break;
-        case 2: few_rows(x, w, bias, out, N, K, p, 2); break;
-        case 3: few_rows(x, w, bias, out, N, K, p, 3); break;
-        default: few_rows(x, w, bias, out, N, K, p, FEW);
-        }
-}
-
 /* out = x @ w^T + bias with w packed by slotserve_amx_pack; bias may be NULL. Returns 0, or -1 where the
    scratch buffers could not be allocated. Rows go outermost: a thread's 32 rows stay in its cache while the
    weight streams past them. A call of at least TILES_PER_THREAD row tiles a thread (a prefill) gives each
@@ -462,9 +516,14 @@ int slotserve_amx_gemm(const float *x, const slotserve_amx_weight *w, const floa
 #else
 int slotserve_amx_init(void) { return -1; }
 
+/* Without AMX a packing runs its few rows only (narrow, 1..FEW); -2 for any other call. */
 int slotserve_amx_gemm(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long M, long N,
                        long K, int threads) {
-    (void)x, (void)w, (void)bias, (void)out, (void)M, (void)N, (void)K, (void)threads;
-    return -2;
+    if (M <= 0)
+        return 0;
+    if (!w->narrow || M > FEW)
+        return -2;
+    few_rows_gemm(x, w, bias, out, M, N, K, threads);
+    return 0;
 }
 #endif

@@ -5,7 +5,9 @@ times bfloat16 values, plus an offset or not (a GGUF's Q8_0/Q5_0/Q4_K tensors, a
 in float32), or answers None for any other weight; calling the packed weight is F.linear. Values that are
 all small integers (GGUF's) are kept in 1 byte each (`narrow`), others in 2; the results are the same bits.
 `available()` says whether this CPU and kernel run AMX (Linux asks each process to request the tile
-registers; `SLOTSERVE_AMX=0` turns the path off).
+registers; `SLOTSERVE_AMX=0` turns AMX off). Without AMX a narrow packing still serves steps of 1..FEW_ROWS
+rows, on the vector units (any CPU the kernels build on; `SLOTSERVE_PACK_WEIGHTS=0` keeps every linear on
+its float32 weights).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ BLOCK, PAIR = 32, 32  # k per scale; weight rows per packed pair of tiles
 # (small_gemm.c's DOT_ROWS + 1). A narrow packing takes every row count: up to FEW_ROWS on the vector units.
 MIN_ROWS = 12
 FEW_ROWS = 4  # amx_gemm.c's FEW
+ALL_ROWS = 2**62  # max_rows where AMX runs
 BYTES_PER_WEIGHT = 2 + 2 * 4 / BLOCK  # the most a packing keeps: a bfloat16, a scale and an offset per block
 _PACK_ARGS = (ctypes.c_void_p, ctypes.c_long, ctypes.c_long) + (ctypes.c_void_p,) * 3 + (ctypes.c_int,) * 2
 _GEMM_ARGS = (ctypes.c_void_p,) * 4 + (ctypes.c_long,) * 3 + (ctypes.c_int,)
@@ -36,35 +39,47 @@ class Packing(ctypes.Structure):
     """amx_gemm.c's slotserve_amx_weight: a packed weight's buffers (NULL values: not packed)."""
 
     _fields_ = [("values", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
-                ("narrow", ctypes.c_int), ("min_rows", ctypes.c_long)]
+                ("narrow", ctypes.c_int), ("min_rows", ctypes.c_long), ("max_rows", ctypes.c_long)]
 
 
 @functools.cache
 def available() -> bool:
-    if os.environ.get("SLOTSERVE_AMX", "1") == "0":
+    """Whether AMX runs here: packings then take every row count their form is worth."""
+    if os.environ.get("SLOTSERVE_AMX", "1") == "0" or not packs():
         return False
     init = native.function(SOURCE, "slotserve_amx_init", ())
     return init is not None and init() == 0
 
 
+@functools.cache
+def packs() -> bool:
+    """Whether weights are packed here at all: where AMX is not, narrow ones for the few-row kernel."""
+    return (os.environ.get("SLOTSERVE_PACK_WEIGHTS", "1") != "0"
+            and native.function(SOURCE, "slotserve_amx_pack", _PACK_ARGS) is not None)
+
+
 class AmxWeight:
-    """One linear's weight (and bias) packed for the AMX GEMM; holds the float32 weight it was packed from,
-    which is what a caller compares to see whether the module still holds it."""
+    """One linear's weight (and bias) packed for amx_gemm.c (AMX, or its few-row kernel); holds the float32
+    weight it was packed from, which is what a caller compares to see whether the module still holds it."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, values: torch.Tensor,
                  scales: torch.Tensor, offsets: torch.Tensor | None) -> None:
         self.weight, self.bias, self.values, self.scales, self.offsets = weight, bias, values, scales, offsets
         self.n, self.k = weight.shape
         self.narrow = values.dtype == torch.int8
+        self.max_rows = ALL_ROWS if available() else FEW_ROWS
         self.packing = Packing(values.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
-                               self.narrow, MIN_ROWS)
+                               self.narrow, MIN_ROWS, self.max_rows)
         self._gemm = native.require(native.function(SOURCE, "slotserve_amx_gemm", _GEMM_ARGS), SOURCE)
 
     @classmethod
     def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, narrow: bool = True) -> AmxWeight | None:
-        """The packed weight, in int8 values where every block allows and `narrow` asks, else bfloat16 ones;
-        without offsets where every block allows. None where some block has no form (or AMX is not here)."""
-        if not available() or weight.dim() != 2 or weight.shape[1] % BLOCK or not native.takes(weight):
+        """The packed weight, in int8 values where every block allows and `narrow` asks, else bfloat16 ones
+        (where AMX runs: nothing else would read them); without offsets where every block allows. None where
+        some block has no such form, or nothing here would run it."""
+        amx = available()
+        if (not (packs() and (amx or narrow)) or weight.dim() != 2 or weight.shape[1] % BLOCK
+                or not native.takes(weight)):
             return None
         if bias is not None and (bias.shape != weight.shape[:1] or not native.takes(bias)):
             raise ValueError(f"amx_gemm: bias {tuple(bias.shape)} does not fit weight {tuple(weight.shape)}")
@@ -74,7 +89,7 @@ class AmxWeight:
         pack = native.require(native.function(SOURCE, "slotserve_amx_pack", _PACK_ARGS), SOURCE)
         scales, values = torch.empty(scalars), {}
         for offsets in (None, torch.empty(scalars)):
-            for dtype in (torch.int8, torch.int16) if narrow else (torch.int16,):
+            for dtype in ((torch.int8,) if narrow else ()) + ((torch.int16,) if amx else ()):
                 if dtype not in values:  # what a step streams
                     values[dtype] = host_memory.zeros((scalars * BLOCK,), dtype, weight.device)
                 fit = pack(weight.data_ptr(), n, k, None if offsets is None else offsets.data_ptr(),
@@ -93,8 +108,8 @@ class AmxWeight:
     def runs(self, rows: int) -> bool:
         """Whether a call with this many rows is worth the packing (the caller's float32 path takes the rest):
         AMX from MIN_ROWS rows on, any rows of a narrow packing (up to FEW_ROWS on the vector units, which
-        stream its 1-byte values: amx_gemm.c's few_rows; AMX from there on)."""
-        return rows >= MIN_ROWS or (self.narrow and rows > 0)
+        stream its 1-byte values: amx_gemm.c's few_rows; AMX from there on). Without AMX: those few rows."""
+        return (rows >= MIN_ROWS or (self.narrow and rows > 0)) and rows <= self.max_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ weight^T + bias."""

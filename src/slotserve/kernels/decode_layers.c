@@ -41,11 +41,11 @@ typedef struct {
     int threads;
 } slotserve_decode_step;
 
-/* out = in @ w^T + bias through the packed weight where it is packed and the step has the rows for it or
-   the packing is narrow (as AmxWeight.runs decides for layers/linear.py), else the small GEMM. */
+/* out = in @ w^T + bias through the packed weight where it is packed and takes the step's rows (as
+   AmxWeight.runs decides for layers/linear.py), else the small GEMM. */
 static int linear(const float *in, const float *w, slotserve_amx_weight amx, const float *bias, float *out, long T,
                   long N, long K, const slotserve_decode_step *s) {
-    if (amx.values && (T >= amx.min_rows || amx.narrow))
+    if (amx.values && T <= amx.max_rows && (T >= amx.min_rows || amx.narrow))
         return slotserve_amx_gemm(in, &amx, bias, out, T, N, K, s->threads);
     return slotserve_small_gemm(in, w, bias, out, T, N, K, s->threads);
 }

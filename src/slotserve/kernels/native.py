@@ -65,10 +65,10 @@ def _machine() -> str:
     return version + cpu
 
 
-def _build(source: Path, target: Path) -> None:
+def _build(source: Path, target: Path, flags: tuple[str, ...]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-    cmd = [_compiler(), *FLAGS, "-o", str(tmp), str(source)]
+    cmd = [_compiler(), *flags, "-o", str(tmp), str(source)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if result.returncode != 0:
         raise OSError(f"{' '.join(cmd)} failed: {result.stderr.strip()[-2000:]}")
@@ -76,17 +76,19 @@ def _build(source: Path, target: Path) -> None:
 
 
 @functools.cache
-def load(source: Path) -> ctypes.CDLL | None:
-    """The compiled library for `source` (built on first use), or None where it cannot be built here."""
+def load(source: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The compiled library for `source` (built on first use), or None where it cannot be built here.
+    `extra_flags` build another form of it (e.g. `-mno-avx512f`: what a CPU without AVX-512 runs)."""
     if not enabled():
         return None
     try:
+        flags = FLAGS + extra_flags
         siblings = [f.read_text() for f in sorted(source.parent.glob("*.[ch]"))]  # what the source may include
-        key = hashlib.sha256("\0".join([source.read_text(), *siblings, *FLAGS, _machine()]).encode())
+        key = hashlib.sha256("\0".join([source.read_text(), *siblings, *flags, _machine()]).encode())
         target = cache_dir() / "kernels" / key.hexdigest()[:16] / f"{source.stem}.so"
         if not target.exists():
             log.info("compiling %s for this machine", source.name)
-            _build(source, target)
+            _build(source, target, flags)
             _prune(target.parent)
         with contextlib.suppress(OSError):  # a read-only cache still loads
             os.utime(target.parent)  # in use: what _prune goes by
@@ -107,9 +109,11 @@ def _prune(current: Path) -> None:
 
 
 @functools.cache
-def function(source: Path, name: str, argtypes: tuple[type, ...]) -> ctypes._CFuncPtr | None:
-    """`name` from `source`'s library, typed (returning a C int), or None where it cannot be built."""
-    lib = load(source)
+def function(source: Path, name: str, argtypes: tuple[type, ...],
+             extra_flags: tuple[str, ...] = ()) -> ctypes._CFuncPtr | None:
+    """`name` from `source`'s library (built with `extra_flags` too), typed (returning a C int), or None where
+    it cannot be built."""
+    lib = load(source, extra_flags)
     if lib is None:
         return None
     fn = getattr(lib, name)

@@ -1,0 +1,110 @@
+"""The few-row kernel of amx_gemm.c where AMX is not: a narrow packing (GGUF's integer blocks, 1 byte a value)
+serves steps of 1..FEW_ROWS rows on the vector units of any CPU, its AVX2 build with the AVX-512 build's bits,
+as close to float64 as a float32 GEMM; more rows, and weights of other forms, keep the float32 path."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
+from slotserve.kernels import amx_gemm, native
+from slotserve.layers.linear import Linear
+from slotserve.models.loader import load_model
+from tests.conftest import build_tiny_model
+from tests.test_amx_gemm import WEIGHTS, _block_scaled, _q4_k
+
+pytestmark = pytest.mark.skipif(not amx_gemm.packs(), reason="native kernels not built here")
+
+
+@pytest.fixture
+def no_amx(monkeypatch):
+    """The engine as on a CPU without AMX."""
+    monkeypatch.setenv("SLOTSERVE_AMX", "0")
+    amx_gemm.available.cache_clear()
+    yield
+    monkeypatch.undo()
+    amx_gemm.available.cache_clear()
+
+
+def test_without_amx_integer_blocks_pack_for_their_few_rows_only(no_amx):
+    assert not amx_gemm.available()
+    for w in (_block_scaled(64, 96, 16), _block_scaled(64, 96, 127), _q4_k(64, 96)):
+        packed = amx_gemm.AmxWeight.pack(w)
+        assert packed.narrow and [packed.runs(r) for r in range(7)] == [False, True, True, True, True, False, False]
+        assert not packed.runs(amx_gemm.MIN_ROWS) and not packed.runs(300)
+    # bfloat16 values would need AMX to be worth their 2 bytes: float32 stays.
+    assert amx_gemm.AmxWeight.pack(torch.randn(64, 96).bfloat16().float()) is None
+
+
+def test_without_amx_a_linear_runs_few_rows_packed_and_more_on_its_float32_weight(no_amx):
+    layer = Linear(96, 64, bias=True).requires_grad_(False)
+    layer.weight.data.copy_(_q4_k(64, 96))
+    assert layer.bind_amx()
+    packed = layer.amx
+    assert layer.streamed_bytes(1) == packed.nbytes < layer.weight.nbytes
+    assert layer.streamed_bytes(amx_gemm.FEW_ROWS + 1) == layer.weight.nbytes
+    for rows in (1, amx_gemm.FEW_ROWS, amx_gemm.FEW_ROWS + 1, 40):
+        x = torch.randn(rows, 96)
+        with torch.no_grad():
+            ours = layer(x)
+            layer.amx = None
+            unpacked = layer(x)
+            layer.amx = packed
+        assert torch.equal(ours, packed(x) if rows <= amx_gemm.FEW_ROWS else unpacked)
+
+
+@pytest.mark.parametrize("kind", WEIGHTS)
+@pytest.mark.parametrize("n,k", [(40, 96), (1152, 896), (70, 4864)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_few_rows_are_as_close_to_float64_as_a_float32_gemm(no_amx, kind, n, k, rows):
+    g = torch.Generator().manual_seed(rows)
+    w, bias, x = WEIGHTS[kind](n, k), torch.randn(n, generator=g), torch.randn(rows, k, generator=g)
+    exact = x.double() @ w.double().T + bias.double()
+    ours = amx_gemm.AmxWeight.pack(w, bias)(x)
+    fp32 = torch.nn.functional.linear(x, w, bias)
+    err, fp32_err = ((y.double() - exact).abs().max().item() for y in (ours, fp32))
+    assert err <= 2 * fp32_err + 1e-6
+
+
+@pytest.mark.parametrize("kind", WEIGHTS)
+def test_the_avx2_build_gives_the_same_bits(kind):
+    """What a CPU without AVX-512 runs (8 lanes, not 16), built here: the same operations lane by lane."""
+    gemm = native.function(amx_gemm.SOURCE, "slotserve_amx_gemm", amx_gemm._GEMM_ARGS, ("-mno-avx512f",))
+    if gemm is None:
+        pytest.skip("no AVX2 build here")
+    n, k = 1000, 896  # pairs of weight tiles and a last, partial one
+    packed = amx_gemm.AmxWeight.pack(WEIGHTS[kind](n, k), torch.randn(n))
+    x = torch.randn(amx_gemm.FEW_ROWS + 1, k)
+    for rows in range(1, amx_gemm.FEW_ROWS + 1):
+        out = torch.empty(rows, n)
+        assert gemm(x.data_ptr(), ctypes.byref(packed.packing), packed.bias.data_ptr(), out.data_ptr(), rows, n, k,
+                    2) == 0
+        assert torch.equal(out, packed(x[:rows]))
+    # No AMX in that build: more rows are the caller's float32 path.
+    assert gemm(x.data_ptr(), ctypes.byref(packed.packing), None, out.data_ptr(), amx_gemm.FEW_ROWS + 1, n, k, 2) == -2
+
+
+def test_without_amx_the_fused_step_has_the_layer_paths_bits(no_amx, tmp_path):
+    build_tiny_model(tmp_path, "qwen2")
+    weights = load_file(tmp_path / "model.safetensors")
+    for name, w in weights.items():  # GGUF-like integer blocks: Q8_0 for the MLPs, Q4_K for one down projection
+        if name.endswith(("mlp.gate_up_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight")):
+            weights[name] = _block_scaled(*w.shape, 127)
+    name = "model.layers.1.mlp.down_proj.weight"
+    weights[name] = _q4_k(*weights[name].shape)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    fused, layers = (ModelRunner(*load_model(tmp_path, torch.float32, torch.device("cpu")), num_blocks=64,
+                                 block_size=4) for _ in range(2))
+    assert fused.packed_linears == 3 and fused.fused is not None  # both layers' gate/up, one down
+    layers.fused = None
+    for rows in (1, amx_gemm.FEW_ROWS, amx_gemm.FEW_ROWS + 1):
+        tables = [list(range(3 * i, 3 * i + 3)) for i in range(rows)]
+        for runner in (fused, layers):
+            runner.execute([ScheduledSeq([100 + i, 7, 9], 0, t, logits="none") for i, t in enumerate(tables)])
+        step = [ScheduledSeq([5 + i], 3, t) for i, t in enumerate(tables)]
+        a, b = fused.execute(step), layers.execute(step)
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
