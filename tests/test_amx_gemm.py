@@ -89,6 +89,10 @@ def test_integer_blocks_pack_in_a_byte_a_value_with_the_same_bits(weight, narrow
 @pytest.mark.parametrize("n,k", [(40, 96), (1152, 896), (70, 4864)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 13, 32, 45])  # a narrow packing's few-row kernel, then AMX
 def test_as_close_to_float64_as_a_float32_gemm(kind, n, k, rows):
+    assert_as_close_to_float64_as_a_float32_gemm(kind, n, k, rows)
+
+
+def assert_as_close_to_float64_as_a_float32_gemm(kind: str, n: int, k: int, rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
     w, bias, x = WEIGHTS[kind](n, k), torch.randn(n, generator=g), torch.randn(rows, k, generator=g)
     exact = x.double() @ w.double().T + bias.double()
@@ -119,15 +123,21 @@ def test_a_linear_runs_on_amx_from_min_rows_on_and_on_a_narrow_packing_always(na
     layer = Linear(96, 64, bias=False).requires_grad_(False)
     layer.weight.data.copy_(_q4_k(64, 96) if narrow else torch.randn(64, 96).bfloat16().float())
     assert layer.bind_amx() and layer.amx.narrow == narrow
+    row_counts = (1, amx_gemm.MIN_ROWS - 1, amx_gemm.MIN_ROWS, 300)
+    assert [layer.amx.runs(rows) for rows in row_counts] == [narrow, narrow, True, True]
+    assert_a_linear_runs_packed_where_its_packing_runs(layer, row_counts)
+
+
+def assert_a_linear_runs_packed_where_its_packing_runs(layer: Linear, row_counts) -> None:
+    """Each call gives the packing's result where it runs those rows, else the float32 weight's."""
     packed = layer.amx
-    for rows in (1, amx_gemm.MIN_ROWS - 1, amx_gemm.MIN_ROWS, 300):
-        x = torch.randn(rows, 96)
+    for rows in row_counts:
+        x = torch.randn(rows, layer.weight.shape[1])
         with torch.no_grad():
             ours = layer(x)
             layer.amx = None
             unpacked = layer(x)
             layer.amx = packed
-        assert packed.runs(rows) == (rows >= amx_gemm.MIN_ROWS or narrow)
         assert torch.equal(ours, packed(x) if packed.runs(rows) else unpacked)
 
 
@@ -192,9 +202,14 @@ def test_the_fused_step_on_amx_has_the_layer_paths_bits(tmp_path):
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     fused, layers = _runner(tmp_path), _runner(tmp_path)
     assert [layer.mlp.down_proj.amx.offsets is not None for layer in fused.model.model.layers] == [False, True]
-    layers.fused = None
     # The FMA kernels (and the Q4_K layer's few-row kernel), then AMX.
-    for rows in (1, amx_gemm.MIN_ROWS - 1, amx_gemm.MIN_ROWS, 20):
+    assert_fused_steps_have_the_layer_paths_bits(fused, layers, (1, amx_gemm.MIN_ROWS - 1, amx_gemm.MIN_ROWS, 20))
+
+
+def assert_fused_steps_have_the_layer_paths_bits(fused: ModelRunner, layers: ModelRunner, row_counts) -> None:
+    """Decode steps of each row count through the fused step and through the layers (and the same caches)."""
+    layers.fused = None
+    for rows in row_counts:
         tables = [list(range(3 * i, 3 * i + 3)) for i in range(rows)]
         for runner in (fused, layers):
             runner.execute([ScheduledSeq([100 + i, 7, 9], 0, t, logits="none") for i, t in enumerate(tables)])

@@ -10,12 +10,19 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
+from slotserve.engine.model_runner import ModelRunner
 from slotserve.kernels import amx_gemm, native
 from slotserve.layers.linear import Linear
 from slotserve.models.loader import load_model
 from tests.conftest import build_tiny_model
-from tests.test_amx_gemm import WEIGHTS, _block_scaled, _q4_k
+from tests.test_amx_gemm import (
+    WEIGHTS,
+    _block_scaled,
+    _q4_k,
+    assert_a_linear_runs_packed_where_its_packing_runs,
+    assert_as_close_to_float64_as_a_float32_gemm,
+    assert_fused_steps_have_the_layer_paths_bits,
+)
 
 pytestmark = pytest.mark.skipif(not amx_gemm.packs(), reason="native kernels not built here")
 
@@ -44,30 +51,16 @@ def test_without_amx_a_linear_runs_few_rows_packed_and_more_on_its_float32_weigh
     layer = Linear(96, 64, bias=True).requires_grad_(False)
     layer.weight.data.copy_(_q4_k(64, 96))
     assert layer.bind_amx()
-    packed = layer.amx
-    assert layer.streamed_bytes(1) == packed.nbytes < layer.weight.nbytes
+    assert layer.streamed_bytes(1) == layer.amx.nbytes < layer.weight.nbytes
     assert layer.streamed_bytes(amx_gemm.FEW_ROWS + 1) == layer.weight.nbytes
-    for rows in (1, amx_gemm.FEW_ROWS, amx_gemm.FEW_ROWS + 1, 40):
-        x = torch.randn(rows, 96)
-        with torch.no_grad():
-            ours = layer(x)
-            layer.amx = None
-            unpacked = layer(x)
-            layer.amx = packed
-        assert torch.equal(ours, packed(x) if rows <= amx_gemm.FEW_ROWS else unpacked)
+    assert_a_linear_runs_packed_where_its_packing_runs(layer, (1, amx_gemm.FEW_ROWS, amx_gemm.FEW_ROWS + 1, 40))
 
 
 @pytest.mark.parametrize("kind", WEIGHTS)
 @pytest.mark.parametrize("n,k", [(40, 96), (1152, 896), (70, 4864)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_few_rows_are_as_close_to_float64_as_a_float32_gemm(no_amx, kind, n, k, rows):
-    g = torch.Generator().manual_seed(rows)
-    w, bias, x = WEIGHTS[kind](n, k), torch.randn(n, generator=g), torch.randn(rows, k, generator=g)
-    exact = x.double() @ w.double().T + bias.double()
-    ours = amx_gemm.AmxWeight.pack(w, bias)(x)
-    fp32 = torch.nn.functional.linear(x, w, bias)
-    err, fp32_err = ((y.double() - exact).abs().max().item() for y in (ours, fp32))
-    assert err <= 2 * fp32_err + 1e-6
+    assert_as_close_to_float64_as_a_float32_gemm(kind, n, k, rows)
 
 
 @pytest.mark.parametrize("kind", WEIGHTS)
@@ -100,11 +93,4 @@ def test_without_amx_the_fused_step_has_the_layer_paths_bits(no_amx, tmp_path):
     fused, layers = (ModelRunner(*load_model(tmp_path, torch.float32, torch.device("cpu")), num_blocks=64,
                                  block_size=4) for _ in range(2))
     assert fused.packed_linears == 3 and fused.fused is not None  # both layers' gate/up, one down
-    layers.fused = None
-    for rows in (1, amx_gemm.FEW_ROWS, amx_gemm.FEW_ROWS + 1):
-        tables = [list(range(3 * i, 3 * i + 3)) for i in range(rows)]
-        for runner in (fused, layers):
-            runner.execute([ScheduledSeq([100 + i, 7, 9], 0, t, logits="none") for i, t in enumerate(tables)])
-        step = [ScheduledSeq([5 + i], 3, t) for i, t in enumerate(tables)]
-        a, b = fused.execute(step), layers.execute(step)
-        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert_fused_steps_have_the_layer_paths_bits(fused, layers, (1, amx_gemm.FEW_ROWS, amx_gemm.FEW_ROWS + 1))

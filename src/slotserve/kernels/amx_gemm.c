@@ -20,8 +20,8 @@
 
    A row's result depends on that row alone (the batch is cut into tiles of rows, padded with zero rows), so
    its bits are the same in any batch. They are not the bits of the float32 FMA kernels. Calls of up to FEW
-   rows of a narrow weight run on the vector units instead (few_rows): their bits are the same in any such
-   call, but not those of AMX.
+   rows of a narrow weight run on the vector units instead (few_rows), on CPUs without AMX too (its only
+   calls there; pack is plain C): their bits are the same in any such call, but not those of AMX.
 
    Layout of a packed weight: rows in pairs of 16-row tiles; for each pair and each block of 32 along K, the
    two tiles' values as AMX wants them (pairs along K, [16 k-pairs][16 rows][2]), 1024 values; and the
