@@ -41,7 +41,7 @@ class ScheduledSeq:
             raise ValueError(f"logits: must be 'last', 'all', 'hidden' or 'none', got {self.logits!r}")
 
 
-def _bind_amx(linears: list[Linear]) -> int:
+def _pack_linears(linears: list[Linear]) -> int:
     """Packs (amx_gemm.py) the linears whose weights allow it (layers/linear.py), unless their packed copies, kept
     beside the float32 weights, could take over half the memory still available; how many it packed."""
     need = amx_gemm.BYTES_PER_WEIGHT * sum(m.weight.numel() for m in linears)
@@ -78,7 +78,7 @@ class ModelRunner:
         # The linears whose weights are scale x bfloat16 per block run packed: on AMX where it is, and their
         # steps of a few rows on the vector units from bytes where GGUF's integers allow (layers/linear.py).
         linears = [m for m in model.modules() if isinstance(m, Linear)]
-        self.packed_linears = _bind_amx(linears) if cpu_fp32 and amx_gemm.packs() else 0
+        self.packed_linears = _pack_linears(linears) if cpu_fp32 and amx_gemm.packs() else 0
         self.linears = len(linears)
         self.gather_limit = gather_max_tokens(cfg.num_key_value_heads, cfg.head_dim, self.dtype)
         shape = (cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
