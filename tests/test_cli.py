@@ -114,3 +114,14 @@ def test_errors_are_one_clear_line(tmp_path):
     assert "slotserve: error:" in result.stderr and "Traceback" not in result.stderr
     result = run("generate", "hi", "--temperature", "-1", "-m", str(tmp_path / "nowhere"))
     assert result.returncode == 2
+
+
+def test_bench_throughput_skips_or_refuses_the_one_at_a_time_run(tiny_qwen3):
+    args = ("bench", "throughput", "-m", str(tiny_qwen3), "--kv-cache-memory", "8M", "--num-prompts", "2",
+            "--input-len", "8", "--output-len", "2")
+    result = run(*args, "--baseline-prompts", "0")
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["requests"] == 2 and figures["one_at_a_time"] is None and figures["speedup_vs_one_at_a_time"] is None
+    result = run(*args, "--baseline-prompts", "-1")
+    assert result.returncode != 0 and "baseline_prompts" in result.stderr

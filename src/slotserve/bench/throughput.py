@@ -178,6 +178,9 @@ def _against_transformers(engine: LLMEngine, args: argparse.Namespace, rng: rand
 def run_throughput(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
     if args.rounds < 1 or (args.rounds > 1 and args.prompts_file):
         raise ValueError("rounds: must be >= 1, and 1 with --prompts-file (later rounds would hit the prefix cache)")
+    if args.num_prompts < 1 or args.baseline_prompts < 0:
+        raise ValueError(f"num_prompts: must be >= 1 (got {args.num_prompts}); baseline_prompts: >= 0, 0 skips the "
+                         f"one-at-a-time run (got {args.baseline_prompts})")
     rng = random.Random(args.seed)
     batched_prompts = _prompts(engine, args, args.num_prompts, rng)
     _run(engine, _prompts(engine, args, 1, rng), 4, one_at_a_time=True)  # warm-up
@@ -189,8 +192,10 @@ def run_throughput(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any
                       max(rate_before, _gemm_rate()), peak_before and max(peak_before, fma_peak() or 0.0))
               if fp32_cpu else {"gemm_bound": None, "fma_peak": None})
     rounds = _against_transformers(engine, args, rng, (batched_prompts, batched)) if args.compare_transformers else []
-    print(f"one at a time: {args.baseline_prompts} requests ...", file=sys.stderr)
-    alone = _run(engine, _prompts(engine, args, args.baseline_prompts, rng), args.output_len, one_at_a_time=True)
+    alone = None
+    if args.baseline_prompts:
+        print(f"one at a time: {args.baseline_prompts} requests ...", file=sys.stderr)
+        alone = _run(engine, _prompts(engine, args, args.baseline_prompts, rng), args.output_len, one_at_a_time=True)
     decode_prompt = _prompts(engine, args, 1, rng)[0][:16]
     # Alternating rounds, medians: a shared machine drifts, and both paths should see the same drift.
     engine_rates, bare_rates = [], []
@@ -209,7 +214,8 @@ def run_throughput(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any
         "output_len": args.output_len,
         **batched,
         "one_at_a_time": alone,
-        "speedup_vs_one_at_a_time": round(batched["output_tokens_per_s"] / alone["output_tokens_per_s"], 2),
+        "speedup_vs_one_at_a_time": (round(batched["output_tokens_per_s"] / alone["output_tokens_per_s"], 2)
+                                     if alone else None),
         "batch1_decode_tokens_per_s": round(engine_rate, 2),
         "single_sequence_decode_tokens_per_s": round(bare_rate, 2),
         "batch1_vs_single_sequence": round(engine_rate / bare_rate, 3),
