@@ -40,7 +40,17 @@ def _q4_k(n: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.where(exact, w, w + c).float().reshape(n, k)
 
 
-WEIGHTS = {"q5_0": lambda n, k: _block_scaled(n, k, 16), "q4_k": _q4_k}
+def _q6_k(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """A Q6_K-like weight: per 16 along a row, an fp16 scale times a signed 8-bit integer, times integers in
+    [-32, 32): no scale per block of 32 makes those integers, but half blocks do."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, 1, 1, generator=g) * 0.002 + 1e-4).half().float()
+    sc = torch.randint(-128, 128, (n, k // 16, 1), generator=g).float()
+    return (d * sc * torch.randint(-32, 32, (n, k // 16, 16), generator=g).float()).reshape(n, k)
+
+
+WEIGHTS = {"q5_0": lambda n, k: _block_scaled(n, k, 16), "q4_k": _q4_k}  # what AMX runs
+FEW_ROW_WEIGHTS = {**WEIGHTS, "q6_k": _q6_k}  # what the few-row kernel runs
 
 
 def _offsets(w: torch.Tensor) -> bool | None:
@@ -94,7 +104,7 @@ def test_as_close_to_float64_as_a_float32_gemm(kind, n, k, rows):
 
 def assert_as_close_to_float64_as_a_float32_gemm(kind: str, n: int, k: int, rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
-    w, bias, x = WEIGHTS[kind](n, k), torch.randn(n, generator=g), torch.randn(rows, k, generator=g)
+    w, bias, x = FEW_ROW_WEIGHTS[kind](n, k), torch.randn(n, generator=g), torch.randn(rows, k, generator=g)
     exact = x.double() @ w.double().T + bias.double()
     ours = amx_gemm.AmxWeight.pack(w, bias)(x)
     fp32 = torch.nn.functional.linear(x, w, bias)
@@ -159,6 +169,15 @@ def test_no_rows_give_no_rows(weight):
     assert packed(torch.empty(0, 96)).shape == (0, 64) and not packed.runs(0)
 
 
+def test_scales_per_half_block_pack_for_few_rows_only():
+    packed = amx_gemm.AmxWeight.pack(_q6_k(64, 96), torch.randn(64))
+    assert packed.narrow and packed.halves and packed.offsets is None and packed.scales.numel() == 2 * 64 * 96 // 32
+    assert [packed.runs(r) for r in (0, 1, amx_gemm.FEW_ROWS, amx_gemm.FEW_ROWS + 1, amx_gemm.MIN_ROWS)] == [
+        False, True, True, False, False]
+    with pytest.raises(ValueError, match="rows"):
+        packed(torch.randn(amx_gemm.FEW_ROWS + 1, 96))
+
+
 def test_bad_input_is_refused():
     packed = amx_gemm.AmxWeight.pack(torch.randn(64, 64).bfloat16().float())
     with pytest.raises(ValueError, match="x"):
@@ -197,12 +216,15 @@ def test_a_bfloat16_checkpoint_runs_on_amx_and_matches_transformers(tmp_path, ar
 def test_the_fused_step_on_amx_has_the_layer_paths_bits(tmp_path):
     build_tiny_model(tmp_path, "qwen2", dtype=torch.bfloat16)
     weights = load_file(tmp_path / "model.safetensors")
-    name = "model.layers.1.mlp.down_proj.weight"  # as GGUF's Q4_K tensors are: with offsets
-    weights[name] = _q4_k(*weights[name].shape)
+    for i, make in ((0, _q6_k), (1, _q4_k)):  # as GGUF's Q6_K (a scale per 16) and Q4_K (with offsets) are
+        name = f"model.layers.{i}.mlp.down_proj.weight"
+        weights[name] = make(*weights[name].shape)
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     fused, layers = _runner(tmp_path), _runner(tmp_path)
-    assert [layer.mlp.down_proj.amx.offsets is not None for layer in fused.model.model.layers] == [False, True]
-    # The FMA kernels (and the Q4_K layer's few-row kernel), then AMX.
+    downs = [layer.mlp.down_proj.amx for layer in fused.model.model.layers]
+    assert [(a.halves, a.offsets is not None) for a in downs] == [(True, False), (False, True)]
+    assert fused.amx_linears == fused.packed_linears - 1 == fused.linears - 1
+    # The FMA kernels (and the down projections' few-row kernel), then AMX (and the Q6_K layer's float32 path).
     assert_fused_steps_have_the_layer_paths_bits(fused, layers, (1, amx_gemm.MIN_ROWS - 1, amx_gemm.MIN_ROWS, 20))
 
 

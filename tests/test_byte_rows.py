@@ -16,9 +16,10 @@ from slotserve.layers.linear import Linear
 from slotserve.models.loader import load_model
 from tests.conftest import build_tiny_model
 from tests.test_amx_gemm import (
-    WEIGHTS,
+    FEW_ROW_WEIGHTS,
     _block_scaled,
     _q4_k,
+    _q6_k,
     assert_a_linear_runs_packed_where_its_packing_runs,
     assert_as_close_to_float64_as_a_float32_gemm,
     assert_fused_steps_have_the_layer_paths_bits,
@@ -39,7 +40,7 @@ def no_amx(monkeypatch):
 
 def test_without_amx_integer_blocks_pack_for_their_few_rows_only(no_amx):
     assert not amx_gemm.available()
-    for w in (_block_scaled(64, 96, 16), _block_scaled(64, 96, 127), _q4_k(64, 96)):
+    for w in (_block_scaled(64, 96, 16), _block_scaled(64, 96, 127), _q4_k(64, 96), _q6_k(64, 96)):
         packed = amx_gemm.AmxWeight.pack(w)
         assert packed.narrow and [packed.runs(r) for r in range(7)] == [False, True, True, True, True, False, False]
         assert not packed.runs(amx_gemm.MIN_ROWS) and not packed.runs(300)
@@ -56,21 +57,21 @@ def test_without_amx_a_linear_runs_few_rows_packed_and_more_on_its_float32_weigh
     assert_a_linear_runs_packed_where_its_packing_runs(layer, (1, amx_gemm.FEW_ROWS, amx_gemm.FEW_ROWS + 1, 40))
 
 
-@pytest.mark.parametrize("kind", WEIGHTS)
+@pytest.mark.parametrize("kind", FEW_ROW_WEIGHTS)
 @pytest.mark.parametrize("n,k", [(40, 96), (1152, 896), (70, 4864)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_few_rows_are_as_close_to_float64_as_a_float32_gemm(no_amx, kind, n, k, rows):
     assert_as_close_to_float64_as_a_float32_gemm(kind, n, k, rows)
 
 
-@pytest.mark.parametrize("kind", WEIGHTS)
+@pytest.mark.parametrize("kind", FEW_ROW_WEIGHTS)
 def test_the_avx2_build_gives_the_same_bits(kind):
     """What a CPU without AVX-512 runs (8 lanes, not 16), built here: the same operations lane by lane."""
     gemm = native.function(amx_gemm.SOURCE, "slotserve_amx_gemm", amx_gemm._GEMM_ARGS, ("-mno-avx512f",))
     if gemm is None:
         pytest.skip("no AVX2 build here")
     n, k = 1000, 896  # pairs of weight tiles and a last, partial one
-    packed = amx_gemm.AmxWeight.pack(WEIGHTS[kind](n, k), torch.randn(n))
+    packed = amx_gemm.AmxWeight.pack(FEW_ROW_WEIGHTS[kind](n, k), torch.randn(n))
     x = torch.randn(amx_gemm.FEW_ROWS + 1, k)
     for rows in range(1, amx_gemm.FEW_ROWS + 1):
         out = torch.empty(rows, n)
@@ -84,13 +85,14 @@ def test_the_avx2_build_gives_the_same_bits(kind):
 def test_without_amx_the_fused_step_has_the_layer_paths_bits(no_amx, tmp_path):
     build_tiny_model(tmp_path, "qwen2")
     weights = load_file(tmp_path / "model.safetensors")
-    for name, w in weights.items():  # GGUF-like integer blocks: Q8_0 for the MLPs, Q4_K for one down projection
+    for name, w in weights.items():  # GGUF-like integer blocks: Q8_0 for the MLPs, Q6_K and Q4_K for the downs
         if name.endswith(("mlp.gate_up_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight")):
             weights[name] = _block_scaled(*w.shape, 127)
-    name = "model.layers.1.mlp.down_proj.weight"
-    weights[name] = _q4_k(*weights[name].shape)
+    for i, make in ((0, _q6_k), (1, _q4_k)):
+        name = f"model.layers.{i}.mlp.down_proj.weight"
+        weights[name] = make(*weights[name].shape)
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     fused, layers = (ModelRunner(*load_model(tmp_path, torch.float32, torch.device("cpu")), num_blocks=64,
                                  block_size=4) for _ in range(2))
-    assert fused.packed_linears == 3 and fused.fused is not None  # both layers' gate/up, one down
+    assert fused.packed_linears == 4 and fused.amx_linears == 0 and fused.fused is not None  # gate/up, down
     assert_fused_steps_have_the_layer_paths_bits(fused, layers, (1, amx_gemm.FEW_ROWS, amx_gemm.FEW_ROWS + 1))

@@ -13,6 +13,7 @@ from torch import nn
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
 from slotserve.kernels import decode_layers
 from slotserve.layers.attention import AttentionMetadata
+from slotserve.layers.linear import Linear
 from slotserve.layers.quantization import quantize_int8
 from slotserve.models.fused_decode import FusedDecode
 from slotserve.models.loader import load_model
@@ -100,6 +101,16 @@ def test_replaced_weights_are_rebound(tiny_qwen2):
     bound = fused.fused
     a, b = fused.execute([ScheduledSeq([8], 3, table)]), layers.execute([ScheduledSeq([8], 3, table)])
     assert fused.fused is not bound and fused.fused.tensors[1][5] is fused.model.model.layers[1].self_attn.o_proj.weight
+    assert torch.equal(a[0], b[0])
+    # A replaced module: the kernel read its weight through the old one.
+    weight = torch.randn_like(fused.model.model.layers[0].mlp.down_proj.weight)
+    for runner in (fused, layers):
+        mlp = runner.model.model.layers[0].mlp
+        mlp.down_proj = Linear(weight.shape[1], weight.shape[0], bias=False).requires_grad_(False)
+        mlp.down_proj.weight.copy_(weight)
+    bound = fused.fused
+    a, b = fused.execute([ScheduledSeq([9], 4, table)]), layers.execute([ScheduledSeq([9], 4, table)])
+    assert fused.fused is not bound and fused.fused.tensors[0][8] is fused.model.model.layers[0].mlp.down_proj.weight
     assert torch.equal(a[0], b[0])
 
 

@@ -82,11 +82,19 @@ class EngineCore:
                     self.load_seconds, num_blocks, config.block_size, num_blocks * config.block_size,
                     self.max_model_len, self.runner.decode_mode,
                     "; small-batch GEMM: native" if self.runner.native_gemm else "",
-                    f"; {'AMX' if amx_gemm.available() else f'bytes for 1-{amx_gemm.FEW_ROWS} rows'}: "
-                    f"{self.runner.packed_linears} of {self.runner.linears} linears"
-                    if self.runner.packed_linears else "",
+                    self._packed_line(),
                     "; decode steps: fused" if self.runner.fused else "",
                     "; weights in huge pages" if self.weights_in_huge_pages else "")
+
+    def _packed_line(self) -> str:
+        """The load line's word on packed linears: how many run on AMX, how many only their few rows from bytes."""
+        runner, few = self.runner, f"bytes for 1-{amx_gemm.FEW_ROWS} rows"
+        if not runner.packed_linears:
+            return ""
+        if not runner.amx_linears:
+            return f"; {few}: {runner.packed_linears} of {runner.linears} linears"
+        rest = runner.packed_linears - runner.amx_linears
+        return f"; AMX: {runner.amx_linears} of {runner.linears} linears" + (f" ({few}: {rest} more)" if rest else "")
 
     @property
     def vocab_size(self) -> int:

@@ -41,17 +41,17 @@ class ScheduledSeq:
             raise ValueError(f"logits: must be 'last', 'all', 'hidden' or 'none', got {self.logits!r}")
 
 
-def _pack_linears(linears: list[Linear]) -> int:
+def _pack_linears(linears: list[Linear]) -> list[amx_gemm.AmxWeight]:
     """Packs (amx_gemm.py) the linears whose weights allow it (layers/linear.py), unless their packed copies, kept
-    beside the float32 weights, could take over half the memory still available; how many it packed."""
+    beside the float32 weights, could take over half the memory still available; the packings."""
     need = amx_gemm.BYTES_PER_WEIGHT * sum(m.weight.numel() for m in linears)
     available = available_memory(torch.device("cpu")).available
     if need > available / 2:
         log.warning("weights not packed: packing the linears could take %.1f GiB of the %.1f GiB available",
                     need / 2**30, available / 2**30)
-        return 0
+        return []
     with torch.inference_mode():
-        return sum(m.bind_amx() for m in linears)
+        return [m.amx for m in linears if m.bind_amx()]
 
 
 class KVCacheFullError(RuntimeError):
@@ -78,8 +78,9 @@ class ModelRunner:
         # The linears whose weights are scale x bfloat16 per block run packed: on AMX where it is, and their
         # steps of a few rows on the vector units from bytes where GGUF's integers allow (layers/linear.py).
         linears = [m for m in model.modules() if isinstance(m, Linear)]
-        self.packed_linears = _pack_linears(linears) if cpu_fp32 and amx_gemm.packs() else 0
-        self.linears = len(linears)
+        packed = _pack_linears(linears) if cpu_fp32 and amx_gemm.packs() else []
+        self.linears, self.packed_linears = len(linears), len(packed)
+        self.amx_linears = sum(p.max_rows > amx_gemm.FEW_ROWS for p in packed)  # the rest: few rows only
         self.gather_limit = gather_max_tokens(cfg.num_key_value_heads, cfg.head_dim, self.dtype)
         shape = (cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.k_cache = host_memory.zeros(shape, self.dtype, self.device)

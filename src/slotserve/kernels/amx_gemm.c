@@ -29,7 +29,9 @@
 
    Values of two bfloat16 parts (Q6_K's per-16 scales under a per-block one, float16 checkpoints) would be
    exact too, but they stream 4 bytes a value like float32 and cost twice the tile products: measured no
-   faster on decode steps and 0.72-0.76x of oneDNN's float32 GEMM on 1024-row prefills, so not taken. */
+   faster on decode steps and 0.72-0.76x of oneDNN's float32 GEMM on 1024-row prefills, so not taken. Q6_K's
+   blocks are integers under a scale per half block, though: packed so (`halves`, int8), they serve few_rows'
+   calls only, at a third of the float32 bytes (12 of the default model's 24 down projections). */
 
 #include <math.h>
 #include <stdint.h>
@@ -49,6 +51,7 @@ typedef struct {
     const void *values; /* bfloat16 bits (uint16), or int8 where `narrow` */
     const float *scales, *offsets;
     int narrow;
+    int halves; /* each block's two halves of 16 have their own scale (and offset): GGUF's Q6_K; few rows only */
     /* The rows it takes (the caller's choice, kept here): from min_rows on, any of a narrow packing, none past
        max_rows (FEW without AMX); the float32 path takes the rest. */
     long min_rows, max_rows;
@@ -74,16 +77,16 @@ static int normal_or_zero(float f) {
     return f == 0.0f || (e != 0 && e != 0xff);
 }
 
-/* Fits one block of BLOCK weights as w[i] = *scale * v[i] + *offset exactly, each v[i] a bfloat16 (the
+/* Fits one block of len weights (BLOCK, or half of it) as w[i] = *scale * v[i] + *offset exactly, each v[i] a bfloat16 (the
    offset is the block's least value where asked for, else 0). Returns 0 where there is no fit. The odd
    parts of the significands of w[i] - offset share their greatest common divisor g: (w[i] - offset) / g is
    exact, and a bfloat16 where its significand has at most 8 bits. */
-static int block_fit(const float *w, int with_offset, float *scale, float *offset, float *v) {
+static int block_fit(const float *w, int len, int with_offset, float *scale, float *offset, float *v) {
     float o = 0.0f;
     if (with_offset)
-        for (int i = 0; i < BLOCK; i++) o = i == 0 || w[i] < o ? w[i] : o;
+        for (int i = 0; i < len; i++) o = i == 0 || w[i] < o ? w[i] : o;
     uint32_t g = 0;
-    for (int i = 0; i < BLOCK; i++) {
+    for (int i = 0; i < len; i++) {
         const double d = (double)w[i] - o;
         v[i] = (float)d;
         if ((double)v[i] != d || !normal_or_zero(v[i]) || !normal_or_zero(w[i])) /* AMX reads subnormals as 0 */
@@ -96,7 +99,7 @@ static int block_fit(const float *w, int with_offset, float *scale, float *offse
             g = gcd(g, odd);
     }
     const float s = g ? (float)g : 1.0f;
-    for (int i = 0; i < BLOCK; i++) {
+    for (int i = 0; i < len; i++) {
         const float d = v[i];
         v[i] = d / s;
         if ((float_bits(v[i]) & 0xffff) || !normal_or_zero(v[i]) || v[i] * s != d)
@@ -109,9 +112,9 @@ static int block_fit(const float *w, int with_offset, float *scale, float *offse
 
 /* Rescales a fitted block's values v and its scale so the values are integers in [-128, 127], where they
    are a power of two times such integers. Returns 0 where they are not (or the scale would not be normal). */
-static int integer_fit(float *v, float *scale) {
+static int integer_fit(float *v, int len, float *scale) {
     int low = INT32_MAX; /* the exponent of the lowest set bit of any value */
-    for (int i = 0; i < BLOCK; i++)
+    for (int i = 0; i < len; i++)
         if (v[i] != 0.0f) {
             const uint32_t u = float_bits(v[i]);
             const int e = (int)((u >> 23) & 0xff) - 150 + __builtin_ctz((u & 0x7fffff) | 0x800000);
@@ -120,7 +123,7 @@ static int integer_fit(float *v, float *scale) {
     if (low == INT32_MAX)
         return 1;
     const double down = ldexp(1.0, -low); /* exact in double, where a float might overflow */
-    for (int i = 0; i < BLOCK; i++) {
+    for (int i = 0; i < len; i++) {
         v[i] = (float)(v[i] * down);
         if (v[i] < -128.0f || v[i] > 127.0f)
             return 0;
@@ -130,34 +133,40 @@ static int integer_fit(float *v, float *scale) {
     return normal_or_zero(*scale) && (double)*scale == s;
 }
 
-/* Packs w [N][K] (K a multiple of BLOCK) as w = scale * v (+ offset) per block, v bfloat16 (int8 where
-   `narrow`), into `values` (pairs * K * PAIR of them), `scales` and, where `offsets` is not NULL, `offsets`
-   (float, pairs * K / BLOCK * PAIR each), pairs = ceil(N / PAIR). Returns 0; -1 where some block has no
-   such form, -2 where all have but some not in int8 (nothing usable is left in the buffers then). */
+/* Packs w [N][K] (K a multiple of BLOCK) as w = scale * v (+ offset) per block, or per half block where
+   `halves` (int8 only: few_rows reads them), v bfloat16 (int8 where `narrow`), into `values` (pairs * K * PAIR
+   of them), `scales` and, where `offsets` is not NULL, `offsets` (float, pairs * K / BLOCK * PAIR each, twice
+   that with halves: [pair][block][half][PAIR]), pairs = ceil(N / PAIR). Returns 0; -1 where some block has
+   no such form, -2 where all have but some not in int8 (nothing usable is left in the buffers then). */
 int slotserve_amx_pack(const float *w, long N, long K, float *offsets, void *values, float *scales, int narrow,
-                       int threads) {
-    if (K % BLOCK)
+                       int halves, int threads) {
+    if (K % BLOCK || (halves && !narrow))
         return -1;
     const long blocks = K / BLOCK, pairs = (N + PAIR - 1) / PAIR;
+    const int segments = halves ? 2 : 1, len = BLOCK / segments;
     int bad = 0;
 #pragma omp parallel for schedule(dynamic, 4) num_threads(threads) reduction(| : bad)
     for (long p = 0; p < pairs; p++) {
         for (long b = 0; b < blocks && !bad; b++) {
-            const long tiles = (p * blocks + b) * 2 * TILE * BLOCK, at = (p * blocks + b) * PAIR;
-            for (int r = 0; r < PAIR; r++) {
+            const long tiles = (p * blocks + b) * 2 * TILE * BLOCK, at = (p * blocks + b) * PAIR * segments;
+            for (int r = 0; r < PAIR && !bad; r++) {
                 const long n = p * PAIR + r;
                 const int t = r / TILE, col = r % TILE;
-                float v[BLOCK] = {0}, scale = 1.0f, offset = 0.0f;
-                if (n < N && !block_fit(w + n * K + b * BLOCK, offsets != NULL, &scale, &offset, v))
-                    bad |= 1;
-                else if (n < N && narrow && !integer_fit(v, &scale))
-                    bad |= 2;
-                if (bad)
-                    break;
-                scales[at + r] = scale;
-                if (offsets)
-                    offsets[at + r] = offset;
-                for (int k = 0; k < BLOCK; k++) {
+                float v[BLOCK] = {0};
+                for (int h = 0; h < segments; h++) {
+                    float scale = 1.0f, offset = 0.0f;
+                    if (n < N && !block_fit(w + n * K + b * BLOCK + h * len, len, offsets != NULL, &scale, &offset,
+                                            v + h * len))
+                        bad |= 1;
+                    else if (n < N && narrow && !integer_fit(v + h * len, len, &scale))
+                        bad |= 2;
+                    if (bad)
+                        break;
+                    scales[at + h * PAIR + r] = scale;
+                    if (offsets)
+                        offsets[at + h * PAIR + r] = offset;
+                }
+                for (int k = 0; k < BLOCK && !bad; k++) {
                     const long i = tiles + t * TILE * BLOCK + ((k / 2) * TILE + col) * 2 + k % 2;
                     if (narrow)
                         ((int8_t *)values)[i] = (int8_t)v[k];
@@ -233,12 +242,15 @@ static inline vf pair_sums(vf a, vf b) {
    sums v * x and its sum is scaled, as on AMX: 1.07-1.12x against rebuilding each weight first. With offsets
    (Q4_K blocks) each weight is rebuilt exactly first (scale * v + offset, one fused multiply-add that does not
    round), then multiplied as by the FMA kernels: the values' and the offset's terms of a block nearly cancel,
-   and scaling the sums erred 1.7x a float32 GEMM's against float64 there. A load of VW int8 values holds
+   and scaling the sums erred 1.7x a float32 GEMM's against float64 there. A packing in halves (Q6_K's scale
+   per 16) rebuilds too, each half under its own scale (its scaled sums erred up to 2.3x). A load of VW int8 values holds
    VW / 2 outputs' two k values of one k-pair (the tiles' layout), so a lane sums one output's even or odd k;
    the two are added at the end. */
 static inline void few_rows(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long N,
-                            long K, long p, const int rows) {
+                            long K, long p, const int rows, const int segments) {
     const long blocks = K / BLOCK;
+    const int pairs_per_segment = BLOCK / 2 / segments; /* k-pairs under one scale */
+    const int rebuild = w->offsets || segments > 1;      /* each weight, before it multiplies */
     for (int t0 = 0; t0 < 2; t0 += TILES_AT_ONCE) {
         vf acc[FEW][TILES_AT_ONCE][SUBS];
         for (int m = 0; m < rows; m++)
@@ -246,32 +258,36 @@ static inline void few_rows(const float *x, const slotserve_amx_weight *w, const
                 for (int h = 0; h < SUBS; h++) acc[m][t][h] = splat(0.0f);
         for (long b = 0; b < blocks; b++) {
             const int8_t *q = (const int8_t *)w->values + (p * blocks + b) * 2 * TILE * BLOCK;
-            const long at = (p * blocks + b) * PAIR;
             for (int i = 0; i < 2 * TILE * BLOCK; i += 64) __builtin_prefetch(q + FEW_AHEAD + i, 0, 2);
             vf scale[TILES_AT_ONCE][SUBS], offset[TILES_AT_ONCE][SUBS], part[FEW][TILES_AT_ONCE][SUBS];
-            for (int t = 0; t < TILES_AT_ONCE; t++)
-                for (int h = 0; h < SUBS; h++) {
-                    const long c = at + (t0 + t) * TILE + h * VW / 2;
-                    scale[t][h] = dup_half(w->scales + c);
-                    offset[t][h] = w->offsets ? dup_half(w->offsets + c) : splat(0.0f);
-                    for (int m = 0; m < rows; m++) part[m][t][h] = splat(0.0f);
-                }
-            for (int kp = 0; kp < BLOCK / 2; kp++) {
-                vf xs[FEW]; /* each row's k-pair, in every pair of lanes */
-                for (int m = 0; m < rows; m++) xs[m] = splat2(x + m * K + b * BLOCK + 2 * kp);
+            for (int m = 0; m < rows; m++)
+                for (int t = 0; t < TILES_AT_ONCE; t++)
+                    for (int h = 0; h < SUBS; h++) part[m][t][h] = splat(0.0f);
+            for (int seg = 0; seg < segments; seg++) {
+                const long at = ((p * blocks + b) * segments + seg) * PAIR;
                 for (int t = 0; t < TILES_AT_ONCE; t++)
                     for (int h = 0; h < SUBS; h++) {
-                        vf wv = byte_floats(q + (t0 + t) * TILE * BLOCK + kp * 2 * TILE + h * VW);
-                        if (w->offsets)
-                            wv = fmadd(wv, scale[t][h], offset[t][h]);
-                        for (int m = 0; m < rows; m++) part[m][t][h] = fmadd(wv, xs[m], part[m][t][h]);
+                        const long c = at + (t0 + t) * TILE + h * VW / 2;
+                        scale[t][h] = dup_half(w->scales + c);
+                        offset[t][h] = w->offsets ? dup_half(w->offsets + c) : splat(0.0f);
                     }
+                for (int kp = seg * pairs_per_segment; kp < (seg + 1) * pairs_per_segment; kp++) {
+                    vf xs[FEW]; /* each row's k-pair, in every pair of lanes */
+                    for (int m = 0; m < rows; m++) xs[m] = splat2(x + m * K + b * BLOCK + 2 * kp);
+                    for (int t = 0; t < TILES_AT_ONCE; t++)
+                        for (int h = 0; h < SUBS; h++) {
+                            vf wv = byte_floats(q + (t0 + t) * TILE * BLOCK + kp * 2 * TILE + h * VW);
+                            if (rebuild)
+                                wv = w->offsets ? fmadd(wv, scale[t][h], offset[t][h]) : wv * scale[t][h];
+                            for (int m = 0; m < rows; m++) part[m][t][h] = fmadd(wv, xs[m], part[m][t][h]);
+                        }
+                }
             }
             for (int m = 0; m < rows; m++)
                 for (int t = 0; t < TILES_AT_ONCE; t++)
                     for (int h = 0; h < SUBS; h++)
-                        acc[m][t][h] = w->offsets ? acc[m][t][h] + part[m][t][h]
-                                                  : fmadd(part[m][t][h], scale[t][h], acc[m][t][h]);
+                        acc[m][t][h] = rebuild ? acc[m][t][h] + part[m][t][h]
+                                               : fmadd(part[m][t][h], scale[t][h], acc[m][t][h]);
         }
         for (int t = 0; t < TILES_AT_ONCE; t++)
             for (int h = 0; h < SUBS; h += 2) {
@@ -297,11 +313,15 @@ static void few_rows_gemm(const float *x, const slotserve_amx_weight *w, const f
     const long pairs = (N + PAIR - 1) / PAIR;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long p = 0; p < pairs; p++)
-        switch (M) { /* constant row counts: the accumulators stay in registers */
-        case 1: few_rows(x, w, bias, out, N, K, p, 1); break;
-        case 2: few_rows(x, w, bias, out, N, K, p, 2); break;
-        case 3: few_rows(x, w, bias, out, N, K, p, 3); break;
-        default: few_rows(x, w, bias, out, N, K, p, FEW);
+        switch (M * 2 + w->halves) { /* constant row and segment counts: the accumulators stay in registers */
+        case 2: few_rows(x, w, bias, out, N, K, p, 1, 1); break;
+        case 3: few_rows(x, w, bias, out, N, K, p, 1, 2); break;
+        case 4: few_rows(x, w, bias, out, N, K, p, 2, 1); break;
+        case 5: few_rows(x, w, bias, out, N, K, p, 2, 2); break;
+        case 6: few_rows(x, w, bias, out, N, K, p, 3, 1); break;
+        case 7: few_rows(x, w, bias, out, N, K, p, 3, 2); break;
+        case 8: few_rows(x, w, bias, out, N, K, p, FEW, 1); break;
+        default: few_rows(x, w, bias, out, N, K, p, FEW, 2);
         }
 }
 
@@ -510,7 +530,7 @@ static int tile_gemm(const float *x, const slotserve_amx_weight *w, const float 
 
 /* out = x @ w^T + bias with w packed by slotserve_amx_pack; bias may be NULL: a narrow packing's 1..FEW rows
    on the vector units, other calls on AMX. Returns 0; -1 where AMX's scratch could not be allocated, -2 for
-   a call only AMX runs where it is not. */
+   a call only AMX runs where it is not, or for more than FEW rows of a packing in halves (AMX sums whole blocks). */
 int slotserve_amx_gemm(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long M, long N,
                        long K, int threads) {
     if (M <= 0)
@@ -519,5 +539,5 @@ int slotserve_amx_gemm(const float *x, const slotserve_amx_weight *w, const floa
         few_rows_gemm(x, w, bias, out, M, N, K, threads);
         return 0;
     }
-    return tile_gemm(x, w, bias, out, M, N, K, threads);
+    return w->halves ? -2 : tile_gemm(x, w, bias, out, M, N, K, threads);
 }

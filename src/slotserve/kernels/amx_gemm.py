@@ -4,6 +4,7 @@
 times bfloat16 values, plus an offset or not (a GGUF's Q8_0/Q5_0/Q4_K tensors, a bfloat16 checkpoint loaded
 in float32), or answers None for any other weight; calling the packed weight is F.linear. Values that are
 all small integers (GGUF's) are kept in 1 byte each (`narrow`), others in 2; the results are the same bits.
+Weights with a scale per 16 (GGUF's Q6_K) pack in int8 `halves` for the few-row kernel alone.
 `available()` says whether this CPU and kernel run AMX (Linux asks each process to request the tile
 registers; `SLOTSERVE_AMX=0` turns AMX off). Without AMX a narrow packing still serves steps of 1..FEW_ROWS
 rows, on the vector units (any CPU the kernels build on; `SLOTSERVE_PACK_WEIGHTS=0` keeps every linear on
@@ -31,7 +32,7 @@ MIN_ROWS = 12
 FEW_ROWS = 4  # amx_gemm.c's FEW
 ALL_ROWS = 2**62  # max_rows where AMX runs
 BYTES_PER_WEIGHT = 2 + 2 * 4 / BLOCK  # the most a packing keeps: a bfloat16, a scale and an offset per block
-_PACK_ARGS = (ctypes.c_void_p, ctypes.c_long, ctypes.c_long) + (ctypes.c_void_p,) * 3 + (ctypes.c_int,) * 2
+_PACK_ARGS = (ctypes.c_void_p, ctypes.c_long, ctypes.c_long) + (ctypes.c_void_p,) * 3 + (ctypes.c_int,) * 3
 _GEMM_ARGS = (ctypes.c_void_p,) * 4 + (ctypes.c_long,) * 3 + (ctypes.c_int,)
 
 
@@ -39,7 +40,8 @@ class Packing(ctypes.Structure):
     """amx_gemm.c's slotserve_amx_weight: a packed weight's buffers (NULL values: not packed)."""
 
     _fields_ = [("values", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
-                ("narrow", ctypes.c_int), ("min_rows", ctypes.c_long), ("max_rows", ctypes.c_long)]
+                ("narrow", ctypes.c_int), ("halves", ctypes.c_int), ("min_rows", ctypes.c_long),
+                ("max_rows", ctypes.c_long)]
 
 
 @functools.cache
@@ -63,20 +65,21 @@ class AmxWeight:
     weight it was packed from, which is what a caller compares to see whether the module still holds it."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, values: torch.Tensor,
-                 scales: torch.Tensor, offsets: torch.Tensor | None) -> None:
+                 scales: torch.Tensor, offsets: torch.Tensor | None, halves: bool = False) -> None:
         self.weight, self.bias, self.values, self.scales, self.offsets = weight, bias, values, scales, offsets
         self.n, self.k = weight.shape
-        self.narrow = values.dtype == torch.int8
-        self.max_rows = ALL_ROWS if available() else FEW_ROWS
+        self.narrow, self.halves = values.dtype == torch.int8, halves
+        self.max_rows = ALL_ROWS if available() and not halves else FEW_ROWS
         self.packing = Packing(values.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
-                               self.narrow, MIN_ROWS, self.max_rows)
+                               self.narrow, halves, MIN_ROWS, self.max_rows)
         self._gemm = native.require(native.function(SOURCE, "slotserve_amx_gemm", _GEMM_ARGS), SOURCE)
 
     @classmethod
     def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, narrow: bool = True) -> AmxWeight | None:
         """The packed weight, in int8 values where every block allows and `narrow` asks, else bfloat16 ones
-        (where AMX runs: nothing else would read them); without offsets where every block allows. None where
-        some block has no such form, or nothing here would run it."""
+        (where AMX runs: nothing else would read them); without offsets where every block allows. Failing those,
+        int8 values under a scale per half block (GGUF's Q6_K: for the few-row kernel only). None where some
+        block has no such form, or nothing here would run it."""
         amx = available()
         if (not (packs() and (amx or narrow)) or weight.dim() != 2 or weight.shape[1] % BLOCK
                 or not native.takes(weight)):
@@ -87,17 +90,21 @@ class AmxWeight:
         n, k = weight.shape
         scalars = -(-n // PAIR) * PAIR * (k // BLOCK)
         pack = native.require(native.function(SOURCE, "slotserve_amx_pack", _PACK_ARGS), SOURCE)
-        scales, values = torch.empty(scalars), {}
-        for offsets in (None, torch.empty(scalars)):
-            for dtype in ((torch.int8,) if narrow else ()) + ((torch.int16,) if amx else ()):
-                if dtype not in values:  # what a step streams
-                    values[dtype] = host_memory.zeros((scalars * BLOCK,), dtype, weight.device)
-                fit = pack(weight.data_ptr(), n, k, None if offsets is None else offsets.data_ptr(),
-                           values[dtype].data_ptr(), scales.data_ptr(), dtype == torch.int8, torch.get_num_threads())
-                if fit == 0:
-                    return cls(weight, None if bias is None else bias.contiguous(), values[dtype], scales, offsets)
-                if fit == -1:  # a block without a form: wider values cannot help
-                    break
+        values = {}
+        for halves in (False, True) if narrow else (False,):
+            scales = torch.empty(scalars * (2 if halves else 1))
+            for offsets in (None, torch.empty_like(scales)):
+                for dtype in (torch.int8,) * narrow + (torch.int16,) * (amx and not halves):
+                    if dtype not in values:  # what a step streams
+                        values[dtype] = host_memory.zeros((scalars * BLOCK,), dtype, weight.device)
+                    fit = pack(weight.data_ptr(), n, k, None if offsets is None else offsets.data_ptr(),
+                               values[dtype].data_ptr(), scales.data_ptr(), dtype == torch.int8, halves,
+                               torch.get_num_threads())
+                    if fit == 0:
+                        return cls(weight, None if bias is None else bias.contiguous(), values[dtype], scales,
+                                   offsets, halves)
+                    if fit == -1:  # a block without a form: wider values cannot help
+                        break
         return None
 
     @property
@@ -108,7 +115,8 @@ class AmxWeight:
     def runs(self, rows: int) -> bool:
         """Whether a call with this many rows is worth the packing (the caller's float32 path takes the rest):
         AMX from MIN_ROWS rows on, any rows of a narrow packing (up to FEW_ROWS on the vector units, which
-        stream its 1-byte values: amx_gemm.c's few_rows; AMX from there on). Without AMX: those few rows."""
+        stream its 1-byte values: amx_gemm.c's few_rows; AMX from there on). Without AMX, or in halves: those
+        few rows."""
         return (rows >= MIN_ROWS or (self.narrow and rows > 0)) and rows <= self.max_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,7 +126,10 @@ class AmxWeight:
                              f"CPU weight of {self.k} columns")
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.n)
-        if self._gemm(x.data_ptr(), ctypes.byref(self.packing), None if self.bias is None else self.bias.data_ptr(),
-                      out.data_ptr(), x.shape[0], self.n, self.k, torch.get_num_threads()):
+        fit = self._gemm(x.data_ptr(), ctypes.byref(self.packing), None if self.bias is None else self.bias.data_ptr(),
+                         out.data_ptr(), x.shape[0], self.n, self.k, torch.get_num_threads())
+        if fit == -2:
+            raise ValueError(f"amx_gemm: this packing does not run {x.shape[0]} rows here (see runs())")
+        if fit:
             raise MemoryError(f"amx_gemm: no memory to split a {tuple(x.shape)} input")
         return out
