@@ -21,7 +21,8 @@ packing of small integers (GGUF's, 1 byte a value: `narrow`) takes every row cou
 amx_gemm.FEW_ROWS rows on the vector units, in float32 from its bytes, which streams under a third of the
 float32 bytes (batch-1 decode of the default model 12.9 -> ~22 tok/s in a slow hour, 35 in a fast one),
 and AMX above. Without AMX the same few-row kernel takes those rows (AVX2 or AVX-512; 1.8-2.2x the float32
-speed at batch 1) and the float32 weight the rest: `AmxWeight.runs` says which.
+speed at batch 1) and the float32 weight the rest: `AmxWeight.runs` says which. Q6_K's integers, under a
+scale per 16, pack for those few rows only, with AMX or without.
 
 Other prefill rows (over 64) go through oneDNN's matmul where torch has it, straight from the checkpoint's
 weight: on an AMD EPYC (2 threads, the default model's four shapes at 512 rows, same run) 134 vs 105
