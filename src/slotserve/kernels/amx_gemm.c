@@ -77,10 +77,10 @@ static int normal_or_zero(float f) {
     return f == 0.0f || (e != 0 && e != 0xff);
 }
 
-/* Fits one block of len weights (BLOCK, or half of it) as w[i] = *scale * v[i] + *offset exactly, each v[i] a bfloat16 (the
-   offset is the block's least value where asked for, else 0). Returns 0 where there is no fit. The odd
-   parts of the significands of w[i] - offset share their greatest common divisor g: (w[i] - offset) / g is
-   exact, and a bfloat16 where its significand has at most 8 bits. */
+/* Fits one block of len weights (BLOCK, or half of it) as w[i] = *scale * v[i] + *offset exactly, each v[i]
+   a bfloat16 (the offset is the block's least value where asked for, else 0). Returns 0 where there is no
+   fit. The odd parts of the significands of w[i] - offset share their greatest common divisor g:
+   (w[i] - offset) / g is exact, and a bfloat16 where its significand has at most 8 bits. */
 static int block_fit(const float *w, int len, int with_offset, float *scale, float *offset, float *v) {
     float o = 0.0f;
     if (with_offset)
@@ -243,9 +243,9 @@ static inline vf pair_sums(vf a, vf b) {
    (Q4_K blocks) each weight is rebuilt exactly first (scale * v + offset, one fused multiply-add that does not
    round), then multiplied as by the FMA kernels: the values' and the offset's terms of a block nearly cancel,
    and scaling the sums erred 1.7x a float32 GEMM's against float64 there. A packing in halves (Q6_K's scale
-   per 16) rebuilds too, each half under its own scale (its scaled sums erred up to 2.3x). A load of VW int8 values holds
-   VW / 2 outputs' two k values of one k-pair (the tiles' layout), so a lane sums one output's even or odd k;
-   the two are added at the end. */
+   per 16) rebuilds too, each half under its own scale (scaling each half's sum erred up to 2.3x). A load of
+   VW int8 values holds VW / 2 outputs' two k values of one k-pair (the tiles' layout), so a lane sums one
+   output's even or odd k; the two are added at the end. */
 static inline void few_rows(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long N,
                             long K, long p, const int rows, const int segments) {
     const long blocks = K / BLOCK;
@@ -470,12 +470,12 @@ static void pair_rows(const uint16_t *parts, const float *xsums, const slotserve
 }
 
 /* out = x @ w^T + bias on AMX (slotserve_amx_gemm's calls of more than FEW rows, or of a bfloat16 packing).
-   Returns 0, or -1 where the scratch buffers could not be allocated. Rows go outermost: a thread's 32 rows stay in its cache while the
-   weight streams past them. A call of at least TILES_PER_THREAD row tiles a thread (a prefill) gives each
-   thread whole row tiles, split where they are used, in its own L2; fewer (a decode step) are split first
-   and the threads share out the weight pairs of each. Against a pass that splits every row first (through
-   DRAM), same bits, 512 rows of the default model's shapes, 2 threads: down 1.18-1.24x, qkv 1.14x, gate/up
-   0.97-1.15x. */
+   Returns 0, or -1 where the scratch buffers could not be allocated. Rows go outermost: a thread's 32 rows
+   stay in its cache while the weight streams past them. A call of at least TILES_PER_THREAD row tiles a
+   thread (a prefill) gives each thread whole row tiles, split where they are used, in its own L2; fewer (a
+   decode step) are split first and the threads share out the weight pairs of each. Against a pass that
+   splits every row first (through DRAM), same bits, 512 rows of the default model's shapes, 2 threads: down
+   1.18-1.24x, qkv 1.14x, gate/up 0.97-1.15x. */
 static int tile_gemm(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long M, long N,
                      long K, int threads) {
     const long tiles = (M + PAIR - 1) / PAIR, pairs = (N + PAIR - 1) / PAIR, blocks = K / BLOCK;

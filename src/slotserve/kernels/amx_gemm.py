@@ -126,8 +126,9 @@ class AmxWeight:
                              f"CPU weight of {self.k} columns")
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.n)
-        fit = self._gemm(x.data_ptr(), ctypes.byref(self.packing), None if self.bias is None else self.bias.data_ptr(),
-                         out.data_ptr(), x.shape[0], self.n, self.k, torch.get_num_threads())
+        bias = None if self.bias is None else self.bias.data_ptr()
+        fit = self._gemm(x.data_ptr(), ctypes.byref(self.packing), bias, out.data_ptr(), x.shape[0], self.n, self.k,
+                         torch.get_num_threads())
         if fit == -2:
             raise ValueError(f"amx_gemm: this packing does not run {x.shape[0]} rows here (see runs())")
         if fit:
