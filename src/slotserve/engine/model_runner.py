@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -135,15 +136,23 @@ class ModelRunner:
             gather_limit=self.gather_limit,
             workspace=self.workspace,
         )
-        fused = self._fused_for(meta, len(input_ids))
-        hidden = (fused or self.model)(as_tensor(input_ids), as_tensor(positions), meta)
-        wanted = [i for r, seq in zip(rows, seqs, strict=True) if seq.logits != "hidden" for i in r]
+        # Only the rows asked for leave the model (row j of `hidden` is token needed[j]).
+        needed = [i for r in rows for i in r]
+        keep = as_tensor(needed) if len(needed) < len(input_ids) else None
+        if (fused := self._fused_for(meta, len(input_ids))) is not None:
+            hidden = fused(as_tensor(input_ids), as_tensor(positions), meta)
+            hidden = hidden if keep is None else hidden[keep]
+        else:
+            hidden = self.model(as_tensor(input_ids), as_tensor(positions), meta, keep)
+        starts = list(itertools.accumulate((len(r) for r in rows), initial=0))[:-1]  # of each row range in needed
+        wanted = [j for seq, start, r in zip(seqs, starts, rows, strict=True) if seq.logits != "hidden"
+                  for j in range(start, start + len(r))]
         logits = self.model.compute_logits(hidden[as_tensor(wanted)]) if wanted else None
         out: list[torch.Tensor | None] = []
         offset = 0
-        for r, seq in zip(rows, seqs, strict=True):
+        for seq, start, r in zip(seqs, starts, rows, strict=True):
             if seq.logits == "hidden":
-                out.append(hidden[r.start:r.stop].float())
+                out.append(hidden[start:start + len(r)].float())
             else:
                 out.append(logits[offset:offset + len(r)] if len(r) else None)
                 offset += len(r)

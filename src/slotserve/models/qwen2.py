@@ -91,15 +91,18 @@ class QwenDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
+                keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, not yet added to the residual stream (the add is fused into
-        this layer's first norm); returns this layer's output and the stream."""
+        this layer's first norm); returns this layer's output and the stream, for the rows `keep` only where
+        given (every row's keys and values are cached all the same)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm.add_and_norm(x, residual)
         x, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(rope, x, meta), residual)
+        if keep is not None:
+            x, residual = x[keep], residual[keep]
         return self.mlp(x), residual
 
 
@@ -111,11 +114,14 @@ class QwenModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states of every token, or of the rows `keep` only: no later layer reads the last
+        one's MLP, so it runs for those rows alone (1/24 of a prefill's linear FLOPs on the default model)."""
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary(positions)
-        for layer in self.layers:
-            x, residual = layer(rope, x, residual, meta)
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(rope, x, residual, meta, keep if i == len(self.layers) - 1 else None)
         return self.norm.add_and_norm(x, residual)[0]
 
 
@@ -138,8 +144,9 @@ class Qwen2ForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, keep)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -154,8 +161,9 @@ class QwenForEmbedding(nn.Module):
         self.config = cfg
         self.model = QwenModel(cfg, max(max_position or 0, cfg.max_position_embeddings))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, keep)
 
     def tie_weights(self) -> None:
         pass

@@ -46,6 +46,8 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(QwenMLP(expert_cfg) for _ in range(cfg.num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not len(x):  # no tokens (a step's last layer that outputs no row): nothing to route
+            return torch.empty_like(x)
         # Routing in float32: in bf16, near-ties between experts would otherwise flip the choice.
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, experts = probs.topk(self.top_k, dim=-1)  # [tokens, top_k]
