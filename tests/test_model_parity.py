@@ -102,3 +102,19 @@ def _check_flat_batch(runner):
     mixed = runner.execute([ScheduledSeq(b, 0, [11, 12, 13]), ScheduledSeq(a[-1:], len(a) - 1, [8, 9, 10])])
     assert (mixed[0] - solo_b).abs().max().item() <= TOL
     assert (mixed[1] - solo_a).abs().max().item() <= TOL
+
+
+def test_a_step_outputs_the_rows_asked_for_as_if_every_row_were(tmp_path):
+    """The last layer's MLP runs only for the rows a step outputs; those rows are as with every row output."""
+    build_tiny_model(tmp_path, "qwen2")
+    runner = _runner(tmp_path, num_blocks=32)
+    prompts = [PROMPT[:7], PROMPT[2:], PROMPT[4:10]]
+    tables = [[list(range(5 * i + j, 5 * i + j + 4)) for i in range(3)] for j in (0, 16)]  # 4 blocks each
+    rows = []  # what the last layer's MLP is given
+    runner.model.model.layers[-1].mlp.register_forward_hook(lambda _m, args, _out: rows.append(len(args[0])))
+    full = runner.execute([ScheduledSeq(p, 0, t, logits="all") for p, t in zip(prompts, tables[0], strict=True)])
+    some = runner.execute([ScheduledSeq(p, 0, t, logits=kind)
+                           for p, t, kind in zip(prompts, tables[1], ("last", "none", "all"), strict=True)])
+    assert rows == [7 + 12 + 6, 1 + 6] and some[1] is None
+    assert some[0].shape == (1, full[0].shape[1]) and some[2].shape == full[2].shape
+    assert (some[0] - full[0][-1:]).abs().max().item() <= TOL and (some[2] - full[2]).abs().max().item() <= TOL
