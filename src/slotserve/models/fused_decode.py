@@ -42,12 +42,12 @@ def _layer_amx(layer: QwenDecoderLayer) -> list[AmxWeight | None]:
     return [m.current_amx() for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
 
 
-# What _layer_tensors and _layer_amx read from a layer, as attribute paths.
-_READS = ("input_layernorm.weight", "self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias", "self_attn.q_norm.weight",
-          "self_attn.k_norm.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
-          "mlp.gate_up_proj.weight", "mlp.down_proj.weight", "self_attn.attn.k_cache", "self_attn.attn.v_cache",
+# What _layer_tensors and _layer_amx read from a layer, as attribute paths: the norms, the caches, and each
+# linear's weight, bias and packing.
+_READS = ("input_layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+          "post_attention_layernorm.weight", "self_attn.attn.k_cache", "self_attn.attn.v_cache",
           *(f"{m}.{a}" for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-            for a in ("amx", "bias")))
+            for a in ("weight", "bias", "amx")))
 _ABSENT = object()
 
 
@@ -93,9 +93,10 @@ class FusedDecode:
         # Held as well as pointed to (the kernel reads raw pointers), and compared on every step: a layer
         # whose weights, packings or caches were replaced since (a reload, a quantization) rebinds.
         self.tensors, self.amx = tensors, amx
-        self.reads = {(id(d), k): (d, k, v) for i, layer in enumerate(model.layers)
-                      for d, k, v in _lookups(model, f"layers.{i}") + [e for path in _READS
-                                                                       for e in _lookups(layer, path)]}
+        lookups = [e for i, layer in enumerate(model.layers)
+                   for root, path in [(model, f"layers.{i}"), *((layer, p) for p in _READS)]
+                   for e in _lookups(root, path)]
+        self.reads = {(id(d), k): (d, k, v) for d, k, v in lookups}  # one per dict entry read
         self.layers = (decode_layers.Layer * len(tensors))(*(
             decode_layers.Layer(*(None if t is None else t.data_ptr() for t in ts),
                                 *(Packing() if a is None else a.packing for a in packed))
