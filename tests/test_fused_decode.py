@@ -112,6 +112,14 @@ def test_replaced_weights_are_rebound(tiny_qwen2):
     a, b = fused.execute([ScheduledSeq([9], 4, table)]), layers.execute([ScheduledSeq([9], 4, table)])
     assert fused.fused is not bound and fused.fused.tensors[0][8] is fused.model.model.layers[0].mlp.down_proj.weight
     assert torch.equal(a[0], b[0])
+    # The final norm's weight, read by the kernel too (as is the embedding).
+    weight = torch.rand_like(fused.model.model.norm.weight)
+    for runner in (fused, layers):
+        runner.model.model.norm.weight = nn.Parameter(weight.clone())
+    bound = fused.fused
+    a, b = fused.execute([ScheduledSeq([10], 5, table)]), layers.execute([ScheduledSeq([10], 5, table)])
+    assert fused.fused is not bound and fused.fused.final_norm is fused.model.model.norm.weight
+    assert torch.equal(a[0], b[0])
 
 
 def test_a_slot_outside_the_cache_is_refused_before_any_write(tiny_qwen2):
@@ -121,4 +129,15 @@ def test_a_slot_outside_the_cache_is_refused_before_any_write(tiny_qwen2):
     meta = AttentionMetadata.build([1], [4], torch.tensor([48 * BLOCK]), [[0]], BLOCK, decode_mode="paged")
     with pytest.raises(ValueError, match="slot"), torch.inference_mode():
         fused.fused(torch.tensor([8]), torch.tensor([3]), meta)
+    assert torch.equal(fused.k_cache, before)
+
+
+@pytest.mark.parametrize("token, position", [(-1, 3), (10**9, 3), (8, -1), (8, 10**9)])
+def test_a_token_or_position_outside_its_table_is_refused_before_any_write(tiny_qwen2, token, position):
+    fused, _ = _runners(tiny_qwen2)
+    fused.execute([ScheduledSeq([5, 6, 7], 0, [0])])
+    before = fused.k_cache.clone()
+    meta = AttentionMetadata.build([1], [4], torch.tensor([3]), [[0]], BLOCK, decode_mode="paged")
+    with pytest.raises(ValueError, match="token id or a position"), torch.inference_mode():
+        fused.fused(torch.tensor([token]), torch.tensor([position]), meta)
     assert torch.equal(fused.k_cache, before)

@@ -31,6 +31,7 @@ from slotserve.engine.model_runner import ScheduledSeq
 from slotserve.kernels import native
 from slotserve.layers.linear import Linear
 from slotserve.layers.quantization import Int8Linear
+from slotserve.layers.sampler import greedy
 
 READ_BYTES = 1 << 30
 GEMM_SIZE = 2048
@@ -159,12 +160,12 @@ def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
         # Batch-1 decode: every weight streamed once per token. Rounds of decode_steps tokens.
         rounds = args.repeats
         table = blocks(16 + args.decode_steps * (rounds + 1) + 1)
-        tokens = [int(runner.execute([ScheduledSeq(ids(16), 0, table)])[0][0].argmax())]
+        tokens = [int(greedy(runner.execute([ScheduledSeq(ids(16), 0, table)])[0])[0])]
 
-        def decode_round() -> None:
+        def decode_round() -> None:  # each token the argmax of the last, as the sampler's greedy rows take it
             for _ in range(args.decode_steps):
                 pos = 15 + len(tokens)
-                tokens.append(int(runner.execute([ScheduledSeq(tokens[-1:], pos, table)])[0][0].argmax()))
+                tokens.append(int(greedy(runner.execute([ScheduledSeq(tokens[-1:], pos, table)])[0])[0]))
 
         read_s, decode_round_s = interleaved(read, decode_round, rounds)
         decode_s = decode_round_s / args.decode_steps

@@ -147,7 +147,9 @@ class ModelRunner:
         starts = list(itertools.accumulate((len(r) for r in rows), initial=0))[:-1]  # of each row range in needed
         wanted = [j for seq, start, r in zip(seqs, starts, rows, strict=True) if seq.logits != "hidden"
                   for j in range(start, start + len(r))]
-        logits = self.model.compute_logits(hidden[as_tensor(wanted)]) if wanted else None
+        # wanted: increasing rows of hidden, so as many as it has are all of them, in order.
+        chosen = hidden if len(wanted) == len(hidden) else hidden[as_tensor(wanted)]
+        logits = self.model.compute_logits(chosen) if wanted else None
         out: list[torch.Tensor | None] = []
         offset = 0
         for seq, start, r in zip(seqs, starts, rows, strict=True):

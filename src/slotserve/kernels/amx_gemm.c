@@ -307,11 +307,16 @@ static inline void few_rows(const float *x, const slotserve_amx_weight *w, const
    model's shapes, 24 layers' copies from DRAM, 2 threads, each weight rebuilt: gate/up 1 row 1.86x, 4 rows
    1.46x, 6 rows 0.98x; down (with offsets) 1 row 3.15x, 4 rows 2.32x, 8 rows 1.28x. One thread's byte loads
    alone keep too few lines in flight to stream DRAM (5.6 GB/s in a microbenchmark): fetching each block
-   FEW_AHEAD bytes ahead into L2 measured 1.6-1.7x on 1 row and 1.3x on 4 (4-32 KB ahead alike). */
+   FEW_AHEAD bytes ahead into L2 measured 1.6-1.7x on 1 row and 1.3x on 4 (4-32 KB ahead alike).
+   Guided: each thread streams long runs of pairs first, then shrinking ones, so the thread held up (by the
+   other tenants' memory traffic, say) is not waited for at the end: batch-1 decode steps 1.00-1.05x against
+   a static split (median 1.01, steps interleaved); dynamic runs of 4-16 pairs 0.94-0.99x (each run's
+   prefetches fall in the next pairs, which the other thread may take). A pair's bits are the same on any
+   thread. */
 static void few_rows_gemm(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long M,
                           long N, long K, int threads) {
     const long pairs = (N + PAIR - 1) / PAIR;
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(guided) num_threads(threads)
     for (long p = 0; p < pairs; p++)
         switch (M * 2 + w->halves) { /* constant row and segment counts: the accumulators stay in registers */
         case 2: few_rows(x, w, bias, out, N, K, p, 1, 1); break;

@@ -38,12 +38,30 @@ class PagedTables:
                 or rows.dim() != 1 or block_tables.dim() != 2 or block_tables.shape[0] != seqs
                 or lens.shape != (seqs,)):
             raise ValueError("decode_attention: rows int64 [seqs], block_tables int32 [seqs, width], lens int32 [seqs]")
-        if seqs and (int(lens.min()) < 1 or int(lens.max()) > block_tables.shape[1] * block_size
-                     or int(block_tables.min()) < 0 or int(rows.min()) < 0):
+        bounds = [(int(t.min()), int(t.max())) if t.numel() else None for t in (rows, block_tables, lens)]
+        return cls._checked(rows.contiguous(), block_tables.contiguous(), lens.contiguous(), block_size, *bounds)
+
+    @classmethod
+    def from_lists(cls, rows: list[int], block_tables: list[list[int]], lens: list[int], block_size: int,
+                   device: torch.device) -> PagedTables:
+        """`build` from Python lists (block_tables padded to one width), checked on the lists: at batch 1 the
+        six tensor reductions cost more than the rest of a step's Python."""
+        blocks = [b for table in block_tables for b in table]
+        bounds = [(min(xs), max(xs)) if xs else None for xs in (rows, blocks, lens)]
+        return cls._checked(torch.tensor(rows, dtype=torch.long, device=device),
+                            torch.tensor(block_tables, dtype=torch.int32, device=device),
+                            torch.tensor(lens, dtype=torch.int32, device=device), block_size, *bounds)
+
+    @classmethod
+    def _checked(cls, rows: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor, block_size: int,
+                 *bounds: tuple[int, int] | None) -> PagedTables:
+        """The tables, given each one's (min, max) (None: empty), once they are in range."""
+        row_bounds, block_bounds, len_bounds = bounds
+        if rows.shape[0] and (len_bounds[0] < 1 or len_bounds[1] > block_tables.shape[1] * block_size
+                              or block_bounds is None or block_bounds[0] < 0 or row_bounds[0] < 0):
             raise ValueError("decode_attention: lens, block_tables or rows out of range for the cache or the batch")
-        blocks_needed = int(block_tables.max()) + 1 if block_tables.numel() else 0
-        return cls(rows.contiguous(), block_tables.contiguous(), lens.contiguous(), blocks_needed,
-                   int(rows.max()) + 1 if seqs else 0)
+        return cls(rows, block_tables, lens, block_bounds[1] + 1 if block_bounds else 0,
+                   row_bounds[1] + 1 if row_bounds else 0)
 
     def check(self, cache_blocks: int, rows: int) -> None:
         """Raises ValueError unless these tables fit a cache of `cache_blocks` blocks and a batch of `rows`."""

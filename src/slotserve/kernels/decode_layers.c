@@ -12,7 +12,8 @@
      q, k = rotary(q), rotary(k);  cache[slot] = k, v
      attn = decode_attention(q, cache);  x = attn @ Wo^T
      normed = rms_norm(residual += x);  x = down(silu(gate) * up)
-   x and residual come back as the last layer leaves them; the final norm is the caller's. */
+   Around them: x = embedding[ids] first (with each row's rotary tables looked up by position), and the
+   final norm last, so x comes back as the model's final hidden states. */
 
 #include "amx_gemm.c"
 #include "decode_attention.c"
@@ -27,13 +28,17 @@ typedef struct {
     slotserve_amx_weight qkv_amx, o_amx, gate_up_amx, down_amx;
 } slotserve_layer;
 
-/* The step: shapes, the rows' rotary tables and cache slots, the attention's paged tables (as for
-   slotserve_decode_attention) and the scratch it may use (slotserve_decode_scratch floats). */
+/* The step: shapes, the rows' token ids, positions and cache slots, the model's embedding, rotary tables and
+   final norm, the attention's paged tables (as for slotserve_decode_attention) and the scratch it may use
+   (slotserve_decode_scratch floats). */
 typedef struct {
     long tokens, hidden, intermediate, heads, kv_heads, head_dim, num_slots; /* num_slots: each cache's */
+    long vocab, max_position;
     float eps, scale;
-    const float *cos, *sin; /* [tokens][head_dim / 2] */
-    const long *slots;      /* [tokens] */
+    const long *ids, *positions, *slots;  /* [tokens] */
+    const float *embedding;               /* [vocab][hidden] */
+    const float *cos_table, *sin_table;   /* [max_position][head_dim / 2] */
+    const float *final_norm;
     const long *rows;
     const int *block_tables, *lens;
     long seqs, table_width, block_size;
@@ -53,21 +58,31 @@ static int linear(const float *in, const float *w, slotserve_amx_weight amx, con
 int slotserve_decode_scratch(long tokens, long hidden, long intermediate, long heads, long kv_heads,
                               long head_dim) {
     const long q = heads * head_dim, kv = kv_heads * head_dim;
-    /* normed, qkv, q, k, attn, o, gate_up, act */
-    return tokens * (hidden + (q + 2 * kv) + q + kv + q + hidden + 2 * intermediate + intermediate);
+    /* normed, qkv, q, k, attn, o, gate_up, act, cos, sin */
+    return tokens * (hidden + (q + 2 * kv) + q + kv + q + hidden + 2 * intermediate + intermediate + head_dim);
 }
 
-/* Returns 0; -1 when a kernel's scratch memory could not be allocated, -2 when a slot is outside the cache
-   (checked before anything is written). */
+/* x and residual: [tokens][hidden] each; x comes back as the final norm's output. Returns 0; -1 when a kernel's
+   scratch memory could not be allocated, -2 when a slot is outside the cache, -3 when a token id or a position
+   is outside its table (both checked before anything is written). */
 int slotserve_decode_layers(const slotserve_layer *layers, long num_layers, const slotserve_decode_step *s,
                             float *x, float *residual) {
-    for (long t = 0; t < s->tokens; t++)
+    const long T = s->tokens, H = s->hidden, I = s->intermediate, hd = s->head_dim, half = hd / 2;
+    for (long t = 0; t < T; t++) {
         if (s->slots[t] < 0 || s->slots[t] >= s->num_slots) return -2;
-    const long T = s->tokens, H = s->hidden, I = s->intermediate, hd = s->head_dim;
+        if (s->ids[t] < 0 || s->ids[t] >= s->vocab || s->positions[t] < 0 || s->positions[t] >= s->max_position)
+            return -3;
+    }
     const long q_size = s->heads * hd, kv_size = s->kv_heads * hd, qkv_n = q_size + 2 * kv_size;
     const int threads = s->threads;
     float *normed = s->scratch, *qkv = normed + T * H, *q = qkv + T * qkv_n, *k = q + T * q_size;
     float *attn = k + T * kv_size, *o = attn + T * q_size, *gate_up = o + T * H, *act = gate_up + T * 2 * I;
+    float *cos = act + T * I, *sin = cos + T * half;
+    for (long t = 0; t < T; t++) {
+        memcpy(x + t * H, s->embedding + s->ids[t] * H, (size_t)H * sizeof(float));
+        memcpy(cos + t * half, s->cos_table + s->positions[t] * half, (size_t)half * sizeof(float));
+        memcpy(sin + t * half, s->sin_table + s->positions[t] * half, (size_t)half * sizeof(float));
+    }
     for (long i = 0; i < num_layers; i++) {
         const slotserve_layer *L = layers + i;
         if (i == 0) {
@@ -83,8 +98,8 @@ int slotserve_decode_layers(const slotserve_layer *layers, long num_layers, cons
                 slotserve_rms_norm(row, NULL, L->q_norm, row, s->heads, hd, s->eps, 1);
                 slotserve_rms_norm(row + q_size, NULL, L->k_norm, row + q_size, s->kv_heads, hd, s->eps, 1);
             }
-        slotserve_rotary(qkv, qkv_n, s->cos, s->sin, q, T, s->heads, hd, threads);
-        slotserve_rotary(qkv + q_size, qkv_n, s->cos, s->sin, k, T, s->kv_heads, hd, threads);
+        slotserve_rotary(qkv, qkv_n, cos, sin, q, T, s->heads, hd, threads);
+        slotserve_rotary(qkv + q_size, qkv_n, cos, sin, k, T, s->kv_heads, hd, threads);
         for (long t = 0; t < T; t++) {
             memcpy(L->k_cache + s->slots[t] * kv_size, k + t * kv_size, (size_t)kv_size * sizeof(float));
             memcpy(L->v_cache + s->slots[t] * kv_size, qkv + t * qkv_n + q_size + kv_size,
@@ -100,5 +115,7 @@ int slotserve_decode_layers(const slotserve_layer *layers, long num_layers, cons
         slotserve_silu_mul(gate_up, act, T, I, threads);
         if (linear(act, L->down, L->down_amx, NULL, x, T, H, I, s)) return -1;
     }
+    /* Row by row the residual add reads all of x's row before the norm writes it: in place is safe. */
+    slotserve_rms_norm(x, residual, s->final_norm, x, T, H, s->eps, threads);
     return 0;
 }

@@ -25,12 +25,14 @@ class Layer(ctypes.Structure):
 
 
 class Step(ctypes.Structure):
-    """One decode step: shapes, per-row rotary tables and cache slots, the attention's paged tables."""
+    """One decode step: shapes, the rows' token ids, positions and cache slots, the embedding, rotary tables
+    and final norm, the attention's paged tables."""
 
     _fields_ = ([(name, ctypes.c_long) for name in ("tokens", "hidden", "intermediate", "heads", "kv_heads",
-                                                   "head_dim", "num_slots")]
+                                                   "head_dim", "num_slots", "vocab", "max_position")]
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
-                + [(name, ctypes.c_void_p) for name in ("cos", "sin", "slots", "rows", "block_tables", "lens")]
+                + [(name, ctypes.c_void_p) for name in ("ids", "positions", "slots", "embedding", "cos_table",
+                                                        "sin_table", "final_norm", "rows", "block_tables", "lens")]
                 + [(name, ctypes.c_long) for name in ("seqs", "table_width", "block_size")]
                 + [("scratch", ctypes.c_void_p), ("threads", ctypes.c_int)])
 
@@ -46,11 +48,13 @@ def scratch_floats(tokens: int, hidden: int, intermediate: int, heads: int, kv_h
 
 
 def decode_layers(layers: ctypes.Array, step: Step, x: int, residual: int) -> None:
-    """Runs every layer over x (data pointer, [tokens, hidden], overwritten by the last layer's output),
-    with residual ([tokens, hidden]) as the residual stream."""
+    """Embeds the step's tokens into x (data pointer, [tokens, hidden]), runs every layer with residual
+    ([tokens, hidden]) as the residual stream, and leaves the final norm's output in x."""
     run = native.require(native.function(SOURCE, "slotserve_decode_layers", _ARGS), SOURCE)
     status = run(ctypes.addressof(layers), len(layers), ctypes.addressof(step), x, residual)
     if status == -2:
         raise ValueError("decode_layers: a cache slot is out of range for the KV cache")
+    if status == -3:
+        raise ValueError("decode_layers: a token id or a position is out of range for the model")
     if status:
         raise MemoryError("decode_layers: no memory for a kernel's scratch buffer")

@@ -173,8 +173,7 @@ def _paged_batch(rows: list[int], tables: list[list[int]], lengths: list[int], b
                  device: torch.device) -> PagedTables:
     width = max(-(-n // block_size) for n in lengths)
     padded = [table[:width] + [0] * (width - len(table[:width])) for table in tables]
-    return PagedTables.build(torch.tensor(rows, device=device), torch.tensor(padded, dtype=torch.int32, device=device),
-                             torch.tensor(lengths, dtype=torch.int32, device=device), block_size)
+    return PagedTables.from_lists(rows, padded, lengths, block_size, device)
 
 
 def paged_decode_available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -56,13 +56,17 @@ class RotaryEmbedding:
         self.head_dim, self.max_position, self.rope = head_dim, max_position, rope
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for each position, shaped [tokens, 1, head_dim / 2] to broadcast over heads."""
-        if self._tables is None or self._tables[0].device != positions.device:
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every position, [max_position, head_dim / 2] each, on `device`."""
+        if self._tables is None or self._tables[0].device != device:
             inv_freq, scale = inverse_frequencies(self.rope, self.head_dim)
             freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32), inv_freq)
-            self._tables = ((freqs.cos() * scale).to(positions.device), (freqs.sin() * scale).to(positions.device))
-        cos, sin = self._tables
+            self._tables = ((freqs.cos() * scale).to(device), (freqs.sin() * scale).to(device))
+        return self._tables
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for each position, shaped [tokens, 1, head_dim / 2] to broadcast over heads."""
+        cos, sin = self.tables(positions.device)
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
 

@@ -104,6 +104,15 @@ class SamplerOutput:
     logprobs: list[PositionLogprobs | None]  # per row; None where the request did not ask for logprobs
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax of [B, V] logits (the first index among ties)."""
+    # max(dim).indices is several times faster than torch's argmax on a CPU, and the native kernel ~5x
+    # faster again (32 x 151,936: 5.6 ms in torch).
+    if logits.shape[1] and row_kernels.applies(logits):
+        return row_kernels.argmax(logits)
+    return logits.max(dim=-1).indices
+
+
 class Sampler:
     """Picks one token per row of a [B, V] float32 logits batch; does not modify the logits."""
 
@@ -116,10 +125,7 @@ class Sampler:
         if len(random_rows) == len(states):
             token_ids = _sample(logits, states)
         else:
-            # Both are argmax (the first index among ties); max(dim).indices is several times faster than
-            # torch's argmax on a CPU, and the native kernel ~5x faster again (32 x 151,936: 5.6 ms in torch).
-            token_ids = (row_kernels.argmax(logits) if logits.shape[1] and row_kernels.applies(logits)
-                         else logits.max(dim=-1).indices)
+            token_ids = greedy(logits)
             if random_rows:
                 rows = torch.tensor(random_rows, device=logits.device)
                 token_ids[rows] = _sample(logits.index_select(0, rows), [states[i] for i in random_rows])

@@ -1,4 +1,4 @@
-"""A CPU decode step of a dense Qwen model with its decoder layers in one native call.
+"""A CPU decode step of a dense Qwen model, from its token embedding to its final norm, in one native call.
 
 qwen2.py is the model; this is how its decode steps run on a CPU in float32 where the native kernels are
 built. At batch 1 the GEMMs already stream the weights at the machine's read rate, and the rest of a
@@ -13,6 +13,9 @@ outside the CPU or not float32) keep the layer-by-layer path.
 """
 
 from __future__ import annotations
+
+import itertools
+import operator
 
 import torch
 from torch import nn
@@ -93,10 +96,13 @@ class FusedDecode:
         # Held as well as pointed to (the kernel reads raw pointers), and compared on every step: a layer
         # whose weights, packings or caches were replaced since (a reload, a quantization) rebinds.
         self.tensors, self.amx = tensors, amx
-        lookups = [e for i, layer in enumerate(model.layers)
-                   for root, path in [(model, f"layers.{i}"), *((layer, p) for p in _READS)]
+        lookups = [e for root, path in [(model, "embed_tokens.weight"), (model, "norm.weight"),
+                                         *((model, f"layers.{i}") for i in range(len(model.layers))),
+                                         *((layer, p) for layer in model.layers for p in _READS)]
                    for e in _lookups(root, path)]
-        self.reads = {(id(d), k): (d, k, v) for d, k, v in lookups}  # one per dict entry read
+        reads = {(id(d), k): (d, k, v) for d, k, v in lookups}.values()  # one per dict entry read
+        self.dicts, self.keys, self.held = (list(column) for column in zip(*reads, strict=True))
+        self.embedding, self.final_norm = model.embed_tokens.weight, model.norm.weight
         self.layers = (decode_layers.Layer * len(tensors))(*(
             decode_layers.Layer(*(None if t is None else t.data_ptr() for t in ts),
                                 *(Packing() if a is None else a.packing for a in packed))
@@ -117,15 +123,17 @@ class FusedDecode:
         inner = getattr(model, "model", None)
         if not isinstance(inner, QwenModel) or not inner.layers or not decode_layers.available():
             return None
-        if not all(_runnable(layer) for layer in inner.layers):
+        if not all(_runnable(layer) for layer in inner.layers) or not all(
+                t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+                for t in (inner.embed_tokens.weight, inner.norm.weight)):
             return None
         layers = inner.layers
         return cls(inner, [_layer_tensors(layer) for layer in layers], [_layer_amx(layer) for layer in layers])
 
     def current(self) -> bool:
         """Whether the model still holds the layers, tensors and packings bound: every attribute the binding
-        read still holds the same object (identity only: a step's worth of checking)."""
-        return all(d.get(k, _ABSENT) is v for d, k, v in self.reads.values())
+        read still holds the same object (identity only, iterated in C: a step's worth of checking)."""
+        return all(map(operator.is_, map(dict.get, self.dicts, self.keys, itertools.repeat(_ABSENT)), self.held))
 
     def applies(self, meta: AttentionMetadata, tokens: int) -> bool:
         """Whether this step is one the kernel runs: decode rows only, all read by the paged kernel."""
@@ -134,17 +142,16 @@ class FusedDecode:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The final hidden states [tokens, hidden] of a step `applies` accepted."""
-        tables = meta.decode
-        tables.check(self.num_slots // meta.block_size, len(input_ids))
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary(positions)
-        cos, sin = cos.reshape(len(input_ids), -1).contiguous(), sin.reshape(len(input_ids), -1).contiguous()
-        slots = meta.slot_mapping.contiguous()
-        residual = torch.empty_like(x)
+        tables, tokens = meta.decode, len(input_ids)
+        tables.check(self.num_slots // meta.block_size, tokens)
+        cos, sin = self.model.rotary.tables(input_ids.device)
+        ids, positions, slots = input_ids.contiguous(), positions.contiguous(), meta.slot_mapping.contiguous()
+        x, residual = torch.empty(tokens, self.hidden), torch.empty(tokens, self.hidden)
         step = decode_layers.Step(
-            len(input_ids), self.hidden, self.intermediate, self.heads, self.kv_heads, self.head_dim, self.num_slots,
-            self.eps, self.scale, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.rows.data_ptr(),
-            tables.block_tables.data_ptr(), tables.lens.data_ptr(), tables.rows.shape[0],
+            tokens, self.hidden, self.intermediate, self.heads, self.kv_heads, self.head_dim, self.num_slots,
+            self.embedding.shape[0], cos.shape[0], self.eps, self.scale, ids.data_ptr(), positions.data_ptr(),
+            slots.data_ptr(), self.embedding.data_ptr(), cos.data_ptr(), sin.data_ptr(), self.final_norm.data_ptr(),
+            tables.rows.data_ptr(), tables.block_tables.data_ptr(), tables.lens.data_ptr(), tables.rows.shape[0],
             tables.block_tables.shape[1], meta.block_size, self.scratch.data_ptr(), torch.get_num_threads())
         decode_layers.decode_layers(self.layers, step, x.data_ptr(), residual.data_ptr())
-        return self.model.norm.add_and_norm(x, residual)[0]
+        return x
