@@ -96,3 +96,46 @@ def test_without_amx_the_fused_step_has_the_layer_paths_bits(no_amx, tmp_path):
                                  block_size=4) for _ in range(2))
     assert fused.packed_linears == 4 and fused.amx_linears == 0 and fused.fused is not None  # gate/up, down
     assert_fused_steps_have_the_layer_paths_bits(fused, layers, (1, amx_gemm.FEW_ROWS, amx_gemm.FEW_ROWS + 1))
+
+
+def _packing_cases() -> dict[str, torch.Tensor]:
+    """Weights that pack and weights that do not, with the blocks the vectorised fit leaves to the scalar one
+    (a zero offset; values whose least odd part does not divide the others)."""
+    g = torch.Generator().manual_seed(1)
+    zeros = torch.rand(96, 896, generator=g) < 0.3
+    cases = {**{kind: make(96, 896) for kind, make in FEW_ROW_WEIGHTS.items()},
+             "q8_0": _block_scaled(96, 896, 128), "bf16": torch.randn(96, 896, generator=g).bfloat16().float(),
+             "float32": torch.randn(96, 896, generator=g), "q4_k with zeros": torch.where(zeros, 0.0, _q4_k(96, 896)),
+             "q5_0 times 3": _block_scaled(96, 896, 2) * 3, "subnormal": _block_scaled(96, 896, 16) * 1e-36}
+    for name, bad in (("nan", float("nan")), ("inf", float("inf"))):
+        cases[name] = _block_scaled(96, 896, 16)
+        cases[name][5, 70] = bad
+    return cases
+
+
+@pytest.mark.parametrize("kind", list(_packing_cases()))
+def test_packing_gives_the_scalar_builds_bits(kind):
+    """pack's AVX-512 build fits 16 weights a vector; the AVX2 build is the scalar code: the same answer and
+    the same buffers in every form tried."""
+    pack, scalar = (native.function(amx_gemm.SOURCE, "slotserve_amx_pack", amx_gemm._PACK_ARGS, flags)
+                    for flags in ((), ("-mno-avx512f",)))
+    if scalar is None:
+        pytest.skip("no AVX2 build here")
+    w = _packing_cases()[kind]
+    n, k = w.shape
+    for offsets in (False, True):
+        for narrow, halves in ((True, False), (True, True), (False, False)):
+            scalars = -(-n // amx_gemm.PAIR) * amx_gemm.PAIR * (k // amx_gemm.BLOCK) * (2 if halves else 1)
+            outputs = []
+            for f in (pack, scalar):
+                values = torch.zeros(scalars * amx_gemm.BLOCK // (2 if halves else 1), dtype=torch.int8 if narrow
+                                     else torch.int16)
+                scales, offs = torch.zeros(scalars), torch.zeros(scalars) if offsets else None
+                fit = f(w.data_ptr(), n, k, offs.data_ptr() if offsets else None, values.data_ptr(),
+                        scales.data_ptr(), narrow, halves, 2)
+                outputs.append((fit, values, scales.view(torch.int32), offs))
+            (fit, *buffers), (scalar_fit, *scalar_buffers) = outputs
+            assert fit == scalar_fit
+            if fit == 0:
+                assert all(a is b or torch.equal(a.view(torch.int32), b.view(torch.int32))
+                           for a, b in zip(buffers, scalar_buffers, strict=True))
