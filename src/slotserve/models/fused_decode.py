@@ -145,8 +145,9 @@ class FusedDecode:
         tables, tokens = meta.decode, len(input_ids)
         tables.check(self.num_slots // meta.block_size, tokens)
         cos, sin = self.model.rotary.tables(input_ids.device)
-        ids, positions, slots = input_ids.contiguous(), positions.contiguous(), meta.slot_mapping.contiguous()
-        x, residual = torch.empty(tokens, self.hidden), torch.empty(tokens, self.hidden)
+        ids, positions = input_ids.long().contiguous(), positions.long().contiguous()  # the kernel reads int64
+        slots = meta.slot_mapping.contiguous()
+        x, residual = (torch.empty(tokens, self.hidden, dtype=torch.float32) for _ in range(2))
         step = decode_layers.Step(
             tokens, self.hidden, self.intermediate, self.heads, self.kv_heads, self.head_dim, self.num_slots,
             self.embedding.shape[0], cos.shape[0], self.eps, self.scale, ids.data_ptr(), positions.data_ptr(),
