@@ -431,7 +431,7 @@ static inline void few_rows(const float *x, const slotserve_amx_weight *w, const
    FEW_AHEAD bytes ahead into L2 measured 1.6-1.7x on 1 row and 1.3x on 4 (4-32 KB ahead alike).
    Guided: each thread streams long runs of pairs first, then shrinking ones, so the thread held up (by the
    other tenants' memory traffic, say) is not waited for at the end: batch-1 decode steps 1.00-1.05x against
-   a static split (median 1.01, steps interleaved); dynamic runs of 4-16 pairs 0.94-0.99x (each run's
+   a static split (median 1.01, steps interleaved); dynamic runs of 4-16 pairs 0.89-1.01x (each run's
    prefetches fall in the next pairs, which the other thread may take). A pair's bits are the same on any
    thread. */
 static void few_rows_gemm(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long M,
