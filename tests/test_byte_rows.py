@@ -5,6 +5,7 @@ as close to float64 as a float32 GEMM; more rows, and weights of other forms, ke
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import pytest
 import torch
@@ -98,6 +99,7 @@ def test_without_amx_the_fused_step_has_the_layer_paths_bits(no_amx, tmp_path):
     assert_fused_steps_have_the_layer_paths_bits(fused, layers, (1, amx_gemm.FEW_ROWS, amx_gemm.FEW_ROWS + 1))
 
 
+@functools.cache
 def _packing_cases() -> dict[str, torch.Tensor]:
     """Weights that pack and weights that do not, with the blocks the vectorised fit leaves to the scalar one
     (a zero offset; values whose least odd part does not divide the others)."""

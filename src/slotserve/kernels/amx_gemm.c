@@ -83,9 +83,7 @@ static int normal_or_zero(float f) {
 #define WIDE_FIT 0
 #endif
 
-#if WIDE_FIT
-#include <immintrin.h>
-
+#if WIDE_FIT /* vector.h brought in immintrin.h */
 /* Lanes of x that are neither zero nor a normal number (AMX reads subnormals as 0). */
 static __mmask16 abnormal(__m512 x) {
     const __m512i e = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 23), _mm512_set1_epi32(0xff));

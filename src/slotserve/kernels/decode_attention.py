@@ -38,8 +38,10 @@ class PagedTables:
                 or rows.dim() != 1 or block_tables.dim() != 2 or block_tables.shape[0] != seqs
                 or lens.shape != (seqs,)):
             raise ValueError("decode_attention: rows int64 [seqs], block_tables int32 [seqs, width], lens int32 [seqs]")
-        bounds = [(int(t.min()), int(t.max())) if t.numel() else None for t in (rows, block_tables, lens)]
-        return cls._checked(rows.contiguous(), block_tables.contiguous(), lens.contiguous(), block_size, *bounds)
+        rows_at, blocks_at, lens_at = ((int(t.min()), int(t.max())) if t.numel() else None
+                                       for t in (rows, block_tables, lens))
+        return cls._checked(rows.contiguous(), block_tables.contiguous(), lens.contiguous(), block_size,
+                            rows_at, blocks_at, lens_at)
 
     @classmethod
     def from_lists(cls, rows: list[int], block_tables: list[list[int]], lens: list[int], block_size: int,
@@ -47,21 +49,21 @@ class PagedTables:
         """`build` from Python lists (block_tables padded to one width), checked on the lists: at batch 1 the
         six tensor reductions cost more than the rest of a step's Python."""
         blocks = [b for table in block_tables for b in table]
-        bounds = [(min(xs), max(xs)) if xs else None for xs in (rows, blocks, lens)]
+        rows_at, blocks_at, lens_at = ((min(xs), max(xs)) if xs else None for xs in (rows, blocks, lens))
         return cls._checked(torch.tensor(rows, dtype=torch.long, device=device),
                             torch.tensor(block_tables, dtype=torch.int32, device=device),
-                            torch.tensor(lens, dtype=torch.int32, device=device), block_size, *bounds)
+                            torch.tensor(lens, dtype=torch.int32, device=device), block_size,
+                            rows_at, blocks_at, lens_at)
 
     @classmethod
     def _checked(cls, rows: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor, block_size: int,
-                 *bounds: tuple[int, int] | None) -> PagedTables:
+                 rows_at: tuple[int, int] | None, blocks_at: tuple[int, int] | None,
+                 lens_at: tuple[int, int] | None) -> PagedTables:
         """The tables, given each one's (min, max) (None: empty), once they are in range."""
-        row_bounds, block_bounds, len_bounds = bounds
-        if rows.shape[0] and (len_bounds[0] < 1 or len_bounds[1] > block_tables.shape[1] * block_size
-                              or block_bounds is None or block_bounds[0] < 0 or row_bounds[0] < 0):
+        if rows.shape[0] and (lens_at[0] < 1 or lens_at[1] > block_tables.shape[1] * block_size
+                              or blocks_at is None or blocks_at[0] < 0 or rows_at[0] < 0):
             raise ValueError("decode_attention: lens, block_tables or rows out of range for the cache or the batch")
-        return cls(rows, block_tables, lens, block_bounds[1] + 1 if block_bounds else 0,
-                   row_bounds[1] + 1 if row_bounds else 0)
+        return cls(rows, block_tables, lens, blocks_at[1] + 1 if blocks_at else 0, rows_at[1] + 1 if rows_at else 0)
 
     def check(self, cache_blocks: int, rows: int) -> None:
         """Raises ValueError unless these tables fit a cache of `cache_blocks` blocks and a batch of `rows`."""
