@@ -92,6 +92,7 @@ def test_bench_throughput_and_attention_print_json(tiny_qwen3):
     assert kernels["memory_read_GBps"] > 0 and kernels["decode_batch1"]["fraction_of_bound"] > 0
     assert kernels["decode_attention"] in ("paged", "batched") and isinstance(kernels["native_small_gemm"], bool)
     assert isinstance(kernels["weights_in_huge_pages"], bool) and kernels["memory_read_torch_alloc_GBps"] > 0
+    assert kernels["memory_read_torch_sum_GBps"] > 0
     assert kernels["prefill"]["gemm_bound_GFLOPs"] > 0 and kernels["decode_batched"]["gemm_bound_GFLOPs"] > 0
     assert kernels["fma_peak_GFLOPs"] > 0.7 * kernels["gemm_fp32_GFLOPs"]
     assert all(0 < kernels[part]["fraction_of_fma_peak"] < 1 for part in ("prefill", "decode_batched"))
@@ -125,3 +126,25 @@ def test_bench_throughput_skips_or_refuses_the_one_at_a_time_run(tiny_qwen3):
     assert figures["requests"] == 2 and figures["one_at_a_time"] is None and figures["speedup_vs_one_at_a_time"] is None
     result = run(*args, "--baseline-prompts", "-1")
     assert result.returncode != 0 and "baseline_prompts" in result.stderr
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_read_rate_pass_reads_every_float_once(threads):
+    """bench kernels' read pass (kernels/memory_read.c): each thread's share, the vector tails and the
+    scalar tail, summed exactly (small integers), at lengths around its 4-vector steps."""
+    import ctypes
+
+    import torch
+
+    from slotserve.bench.kernels import READ_SOURCE
+    from slotserve.kernels import native
+
+    read = native.function(READ_SOURCE, "slotserve_read_sum",
+                           (ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p))
+    if read is None:
+        pytest.skip("no C compiler with OpenMP here")
+    total = ctypes.c_float()
+    for n in (0, 1, 63, 64, 65, 1000, 64 * 7 + 13, 100_003):
+        values = torch.arange(n, dtype=torch.float32) % 7
+        assert read(values.data_ptr(), n, threads, ctypes.byref(total)) == 0
+        assert total.value == float(values.sum()), n

@@ -37,16 +37,28 @@ READ_BYTES = 1 << 30
 GEMM_SIZE = 2048
 GEMM_FLOPS = 2 * GEMM_SIZE**3  # of one gemm_pass
 FMA_SOURCE = Path(native.__file__).with_name("fma_peak.c")
+READ_SOURCE = Path(native.__file__).with_name("memory_read.c")
 FMA_SECONDS = 0.1  # of one fma_peak pass, about
 
 
-def read_pass(huge_pages: bool = True) -> Callable[[], object]:
-    """One read of READ_BYTES from DRAM: a sum over a buffer far larger than the caches, in huge pages
-    (where the engine keeps its weights) or in torch's own allocation (4 KB pages, unless the system
-    gives every allocation huge ones)."""
+def read_buffer(huge_pages: bool = True) -> torch.Tensor:
+    """READ_BYTES of float32 ones, far more than the caches hold: in huge pages (where the engine keeps its
+    weights) or in torch's own allocation (4 KB pages, unless the system gives every allocation huge ones)."""
     if huge_pages and host_memory.enabled():
-        return host_memory.huge_page_bytes(READ_BYTES).view(torch.float32).fill_(1.0).sum
-    return torch.ones(READ_BYTES // 4).sum
+        return host_memory.huge_page_bytes(READ_BYTES).view(torch.float32).fill_(1.0)
+    return torch.ones(READ_BYTES // 4)
+
+
+def read_pass(buffer: torch.Tensor) -> Callable[[], object]:
+    """One read of the buffer from DRAM, by plain vector loads on all of torch's threads
+    (kernels/memory_read.c); where the native kernels are not built, by torch's `sum`, which reads ~20 %
+    slower here (`memory_read_torch_sum_GBps`)."""
+    read = native.function(READ_SOURCE, "slotserve_read_sum",
+                           (ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p))
+    if read is None:
+        return buffer.sum
+    sink = ctypes.c_float()
+    return lambda: read(buffer.data_ptr(), buffer.numel(), torch.get_num_threads(), ctypes.byref(sink))
 
 
 def gemm_pass() -> Callable[[], object]:
@@ -132,9 +144,11 @@ def attention_pair_flops(cfg: Any) -> int:
 def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
     core, cfg, runner = engine.core, engine.model_config, engine.runner
     rng = random.Random(0)
-    read, gemm = read_pass(), gemm_pass()
+    buffer = read_buffer()
+    read, gemm = read_pass(buffer), gemm_pass()
     peak_before = fma_peak()
-    bandwidth_4k = READ_BYTES / median_seconds(read_pass(huge_pages=False), 3)
+    bandwidth_torch_sum = READ_BYTES / median_seconds(buffer.sum, 3)
+    bandwidth_4k = READ_BYTES / median_seconds(read_pass(read_buffer(huge_pages=False)), 3)
     body, head, weight_bytes = linear_params(core.model)
     kv_per_token = runner.cache_bytes_per_token(cfg, core.dtype)
 
@@ -195,6 +209,7 @@ def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
         "native_row_ops": runner.native_rows, "fused_decode": runner.fused is not None,
         "weights_in_huge_pages": core.weights_in_huge_pages,
         "memory_read_GBps": round(bandwidth / 1e9, 1), "memory_read_torch_alloc_GBps": round(bandwidth_4k / 1e9, 1),
+        "memory_read_torch_sum_GBps": round(bandwidth_torch_sum / 1e9, 1),
         "gemm_fp32_GFLOPs": round(statistics.median([prefill_gemm, batched_gemm]) / 1e9, 1),
         "fma_peak_GFLOPs": round(peak / 1e9, 1) if peak else None,
         "decode_batch1": {
