@@ -141,3 +141,29 @@ def test_packing_gives_the_scalar_builds_bits(kind):
             if fit == 0:
                 assert all(a is b or torch.equal(a.view(torch.int32), b.view(torch.int32))
                            for a, b in zip(buffers, scalar_buffers, strict=True))
+
+
+@pytest.mark.parametrize("kind", FEW_ROW_WEIGHTS)
+def test_few_rows_take_x_of_any_range(no_amx, kind):
+    """The kernel writes x as integers per block of 32 (few_rows.c): NaN and infinity still give NaN, in their
+    row alone; values 30 binary orders apart in one block stay as close to float64 as a float32 GEMM; all-zero
+    rows give the bias; rows of tiny values (under 2^-97) keep 16 bits at least."""
+    n, k = 70, 256
+    g = torch.Generator().manual_seed(7)
+    w, bias = FEW_ROW_WEIGHTS[kind](n, k), torch.randn(n, generator=g)
+    packed = amx_gemm.AmxWeight.pack(w, bias)
+    x = torch.randn(4, k, generator=g)
+    x[1, 40], x[2, 200] = float("nan"), float("-inf")
+    out = packed(x)
+    assert out[1:3].isnan().all() and not out[[0, 3]].isnan().any()
+    assert torch.equal(out[0], packed(x[:1])[0]) and torch.equal(out[3], packed(x[3:])[0])
+    spread = torch.randn(3, k, generator=g) * torch.pow(2.0, torch.randint(-30, 1, (3, k), generator=g).float())
+    exact = spread.double() @ w.double().T + bias.double()
+    err, fp32_err = ((y.double() - exact).abs().max().item()
+                     for y in (packed(spread), torch.nn.functional.linear(spread, w, bias)))
+    assert err <= 2 * fp32_err + 1e-6
+    assert torch.equal(packed(torch.zeros(2, k)), bias.expand(2, n))
+    tiny = torch.randn(1, k, generator=g) * 2.0**-110
+    exact = (tiny.double() @ w.double().T) * 2.0**110
+    ours = amx_gemm.AmxWeight.pack(w)(tiny).double() * 2.0**110
+    assert (ours - exact).abs().max() <= 2**-16 * exact.abs().max()

@@ -20,8 +20,9 @@
 
    A row's result depends on that row alone (the batch is cut into tiles of rows, padded with zero rows), so
    its bits are the same in any batch. They are not the bits of the float32 FMA kernels. Calls of up to FEW
-   rows of a narrow weight run on the vector units instead (few_rows), on CPUs without AMX too (its only
-   calls there; pack is plain C): their bits are the same in any such call, but not those of AMX.
+   rows of a narrow weight run on the vector units instead (few_rows.c: integer products of the weights and
+   each row's x in fixed point), on CPUs without AMX too (its only calls there; pack is plain C): their bits
+   are the same in any such call and any build, but not those of AMX.
 
    Layout of a packed weight: rows in pairs of 16-row tiles; for each pair and each block of 32 along K, the
    two tiles' values as AMX wants them (pairs along K, [16 k-pairs][16 rows][2]), 1024 values; and the
@@ -30,7 +31,7 @@
    Values of two bfloat16 parts (Q6_K's per-16 scales under a per-block one, float16 checkpoints) would be
    exact too, but they stream 4 bytes a value like float32 and cost twice the tile products: measured no
    faster on decode steps and 0.72-0.76x of oneDNN's float32 GEMM on 1024-row prefills, so not taken. Q6_K's
-   blocks are integers under a scale per half block, though: packed so (`halves`, int8), they serve few_rows'
+   blocks are integers under a scale per half block, though: packed so (`halves`, int8), they serve few_rows.c's
    calls only, at a third of the float32 bytes (12 of the default model's 24 down projections). */
 
 #include <math.h>
@@ -298,156 +299,7 @@ int slotserve_amx_pack(const float *w, long N, long K, float *offsets, void *val
     return bad & 1 ? -1 : bad ? -2 : 0;
 }
 
-/* The few-row kernel: rows of a narrow packing on the vector units, in float32 from its bytes, on any CPU
-   (vector.h's width: 16 lanes with AVX-512, 8 with AVX2; the same operations lane by lane, so the same bits
-   in either build). */
-
-#define FEW 4 /* the most rows few_rows takes: its accumulators stay in registers */
-#define FEW_AHEAD 16384 /* bytes: how far ahead few_rows fetches its weights */
-#define SUBS (2 * TILE / VW) /* vectors of one k-pair of a weight tile: its TILE outputs' two k values */
-#define TILES_AT_ONCE (VW == 16 ? 2 : 1) /* weight tiles a pass over the blocks takes: AVX2's 16 registers hold one */
-
-/* The two floats at p in every pair of lanes. */
-static inline vf splat2(const float *p) {
-#if VW == 16
-    return (vf)_mm512_castpd_ps(_mm512_broadcastsd_pd(_mm_load_sd((const double *)p)));
-#elif defined(__AVX__)
-    return (vf)_mm256_castpd_ps(_mm256_broadcast_sd((const double *)p));
-#else
-    vf v;
-    for (int i = 0; i < VW; i++) v[i] = p[i % 2];
-    return v;
-#endif
-}
-
-/* VW int8 values at p as floats. */
-static inline vf byte_floats(const int8_t *p) {
-#if VW == 16
-    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-#elif defined(__AVX2__)
-    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-#else
-    vf v;
-    for (int i = 0; i < VW; i++) v[i] = p[i];
-    return v;
-#endif
-}
-
-/* VW / 2 floats at p, each in two neighbouring lanes (a k-pair's scale, per output). */
-static inline vf dup_half(const float *p) {
-#if VW == 16
-    v8 h;
-    memcpy(&h, p, sizeof h);
-    return __builtin_shufflevector(h, h, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-#else
-    v4 h;
-    memcpy(&h, p, sizeof h);
-    return __builtin_shufflevector(h, h, 0, 0, 1, 1, 2, 2, 3, 3);
-#endif
-}
-
-/* The even lanes' sums plus the odd lanes', of two vectors: VW outputs. */
-static inline vf pair_sums(vf a, vf b) {
-#if VW == 16
-    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-           __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-#else
-    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) +
-           __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
-#endif
-}
-
-/* The rows of x against pair p of a narrow weight, in float32. Without offsets (Q8_0/Q5_0 blocks) each block
-   sums v * x and its sum is scaled, as on AMX: 1.07-1.12x against rebuilding each weight first. With offsets
-   (Q4_K blocks) each weight is rebuilt exactly first (scale * v + offset, one fused multiply-add that does not
-   round), then multiplied as by the FMA kernels: the values' and the offset's terms of a block nearly cancel,
-   and scaling the sums erred 1.7x a float32 GEMM's against float64 there. A packing in halves (Q6_K's scale
-   per 16) rebuilds too, each half under its own scale (scaling each half's sum erred up to 2.3x). A load of
-   VW int8 values holds VW / 2 outputs' two k values of one k-pair (the tiles' layout), so a lane sums one
-   output's even or odd k; the two are added at the end. */
-static inline void few_rows(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long N,
-                            long K, long p, const int rows, const int segments) {
-    const long blocks = K / BLOCK;
-    const int pairs_per_segment = BLOCK / 2 / segments; /* k-pairs under one scale */
-    const int rebuild = w->offsets || segments > 1;      /* each weight, before it multiplies */
-    for (int t0 = 0; t0 < 2; t0 += TILES_AT_ONCE) {
-        vf acc[FEW][TILES_AT_ONCE][SUBS];
-        for (int m = 0; m < rows; m++)
-            for (int t = 0; t < TILES_AT_ONCE; t++)
-                for (int h = 0; h < SUBS; h++) acc[m][t][h] = splat(0.0f);
-        for (long b = 0; b < blocks; b++) {
-            const int8_t *q = (const int8_t *)w->values + (p * blocks + b) * 2 * TILE * BLOCK;
-            for (int i = 0; i < 2 * TILE * BLOCK; i += 64) __builtin_prefetch(q + FEW_AHEAD + i, 0, 2);
-            vf scale[TILES_AT_ONCE][SUBS], offset[TILES_AT_ONCE][SUBS], part[FEW][TILES_AT_ONCE][SUBS];
-            for (int m = 0; m < rows; m++)
-                for (int t = 0; t < TILES_AT_ONCE; t++)
-                    for (int h = 0; h < SUBS; h++) part[m][t][h] = splat(0.0f);
-            for (int seg = 0; seg < segments; seg++) {
-                const long at = ((p * blocks + b) * segments + seg) * PAIR;
-                for (int t = 0; t < TILES_AT_ONCE; t++)
-                    for (int h = 0; h < SUBS; h++) {
-                        const long c = at + (t0 + t) * TILE + h * VW / 2;
-                        scale[t][h] = dup_half(w->scales + c);
-                        offset[t][h] = w->offsets ? dup_half(w->offsets + c) : splat(0.0f);
-                    }
-                for (int kp = seg * pairs_per_segment; kp < (seg + 1) * pairs_per_segment; kp++) {
-                    vf xs[FEW]; /* each row's k-pair, in every pair of lanes */
-                    for (int m = 0; m < rows; m++) xs[m] = splat2(x + m * K + b * BLOCK + 2 * kp);
-                    for (int t = 0; t < TILES_AT_ONCE; t++)
-                        for (int h = 0; h < SUBS; h++) {
-                            vf wv = byte_floats(q + (t0 + t) * TILE * BLOCK + kp * 2 * TILE + h * VW);
-                            if (rebuild)
-                                wv = w->offsets ? fmadd(wv, scale[t][h], offset[t][h]) : wv * scale[t][h];
-                            for (int m = 0; m < rows; m++) part[m][t][h] = fmadd(wv, xs[m], part[m][t][h]);
-                        }
-                }
-            }
-            for (int m = 0; m < rows; m++)
-                for (int t = 0; t < TILES_AT_ONCE; t++)
-                    for (int h = 0; h < SUBS; h++)
-                        acc[m][t][h] = rebuild ? acc[m][t][h] + part[m][t][h]
-                                               : fmadd(part[m][t][h], scale[t][h], acc[m][t][h]);
-        }
-        for (int t = 0; t < TILES_AT_ONCE; t++)
-            for (int h = 0; h < SUBS; h += 2) {
-                const long n0 = p * PAIR + (t0 + t) * TILE + h * VW / 2;
-                const long n = N - n0 < VW ? N - n0 : VW; /* outputs here */
-                for (int m = 0; m < rows && n > 0; m++) {
-                    float sums[VW];
-                    store(sums, pair_sums(acc[m][t][h], acc[m][t][h + 1]));
-                    for (long i = 0; i < n; i++) out[m * N + n0 + i] = sums[i] + (bias ? bias[n0 + i] : 0.0f);
-                }
-            }
-    }
-}
-
-/* out = x @ w^T + bias for a narrow weight and at most FEW rows, where this beats AMX's fixed work per tile
-   of rows (a tile of 16 rows however few are real), and where there is no AMX. Against AMX, the default
-   model's shapes, 24 layers' copies from DRAM, 2 threads, each weight rebuilt: gate/up 1 row 1.86x, 4 rows
-   1.46x, 6 rows 0.98x; down (with offsets) 1 row 3.15x, 4 rows 2.32x, 8 rows 1.28x. One thread's byte loads
-   alone keep too few lines in flight to stream DRAM (5.6 GB/s in a microbenchmark): fetching each block
-   FEW_AHEAD bytes ahead into L2 measured 1.6-1.7x on 1 row and 1.3x on 4 (4-32 KB ahead alike).
-   Guided: each thread streams long runs of pairs first, then shrinking ones, so the thread held up (by the
-   other tenants' memory traffic, say) is not waited for at the end: batch-1 decode steps 1.00-1.05x against
-   a static split (median 1.01, steps interleaved); dynamic runs of 4-16 pairs 0.89-1.01x (each run's
-   prefetches fall in the next pairs, which the other thread may take). A pair's bits are the same on any
-   thread. */
-static void few_rows_gemm(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long M,
-                          long N, long K, int threads) {
-    const long pairs = (N + PAIR - 1) / PAIR;
-#pragma omp parallel for schedule(guided) num_threads(threads)
-    for (long p = 0; p < pairs; p++)
-        switch (M * 2 + w->halves) { /* constant row and segment counts: the accumulators stay in registers */
-        case 2: few_rows(x, w, bias, out, N, K, p, 1, 1); break;
-        case 3: few_rows(x, w, bias, out, N, K, p, 1, 2); break;
-        case 4: few_rows(x, w, bias, out, N, K, p, 2, 1); break;
-        case 5: few_rows(x, w, bias, out, N, K, p, 2, 2); break;
-        case 6: few_rows(x, w, bias, out, N, K, p, 3, 1); break;
-        case 7: few_rows(x, w, bias, out, N, K, p, 3, 2); break;
-        case 8: few_rows(x, w, bias, out, N, K, p, FEW, 1); break;
-        default: few_rows(x, w, bias, out, N, K, p, FEW, 2);
-        }
-}
+#include "few_rows.c"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -653,15 +505,13 @@ static int tile_gemm(const float *x, const slotserve_amx_weight *w, const float 
 #endif
 
 /* out = x @ w^T + bias with w packed by slotserve_amx_pack; bias may be NULL: a narrow packing's 1..FEW rows
-   on the vector units, other calls on AMX. Returns 0; -1 where AMX's scratch could not be allocated, -2 for
+   on the vector units, other calls on AMX. Returns 0; -1 where a scratch buffer could not be allocated, -2 for
    a call only AMX runs where it is not, or for more than FEW rows of a packing in halves (AMX sums whole blocks). */
 int slotserve_amx_gemm(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long M, long N,
                        long K, int threads) {
     if (M <= 0)
         return 0;
-    if (w->narrow && M <= FEW) {
-        few_rows_gemm(x, w, bias, out, M, N, K, threads);
-        return 0;
-    }
+    if (w->narrow && M <= FEW)
+        return few_rows_gemm(x, w, bias, out, M, N, K, threads);
     return w->halves ? -2 : tile_gemm(x, w, bias, out, M, N, K, threads);
 }
