@@ -31,7 +31,7 @@
 #define FEW_AHEAD 16384 /* bytes: how far ahead few_rows fetches its weights */
 #define OUT_VECTORS (TILE / VW) /* vectors of one weight tile's outputs */
 #define TILES_AT_ONCE (VW == 16 ? 2 : 1) /* weight tiles a pass over the blocks takes: AVX2's 16 registers hold one */
-#define X_BITS 30                        /* |X| < 2^X_BITS */
+#define X_BITS 30                        /* |X| <= 2^X_BITS */
 /* Sums of one row kept side by side (every other k-pair): a single row's multiply-adds would otherwise
    wait on each other's latency; more rows are independent sums already. */
 #define CHAINS 2
@@ -194,8 +194,8 @@ static inline void few_rows(const split_x *xs, const slotserve_amx_weight *w, co
                 const int part = segments > 1 ? seg : 2; /* which of split_x's sums */
                 for (int t = 0; t < TILES_AT_ONCE; t++)
                     for (int o = 0; o < OUT_VECTORS; o++) {
-                        const long c = at + (t0 + t) * TILE + o * VW;
-                        const vf scale = load(w->scales + c);
+                        const long col = at + (t0 + t) * TILE + o * VW; /* of the first output's scale */
+                        const vf scale = load(w->scales + col);
                         for (int m = 0; m < rows; m++) {
                             vi h = hi[m][t][o][0], l = lo[m][t][o][0];
                             for (int ch = 1; ch < (rows == 1 ? CHAINS : 1); ch++)
@@ -204,7 +204,7 @@ static inline void few_rows(const split_x *xs, const slotserve_amx_weight *w, co
                                                __builtin_convertvector(l, vf));
                             if (w->offsets) {
                                 const vf sum_x = splat(xs[m].sums[3 * b + part]);
-                                const vf r = fmadd(s, scale, load(w->offsets + c) * sum_x);
+                                const vf r = fmadd(s, scale, load(w->offsets + col) * sum_x);
                                 group[m][t][o] = fmadd(r, splat(xs[m].unit[b]), group[m][t][o]);
                             } else {
                                 group[m][t][o] = fmadd(s, scale * splat(xs[m].unit[b]), group[m][t][o]);
