@@ -1,4 +1,4 @@
-"""The few-row kernel of amx_gemm.c where AMX is not: a narrow packing (GGUF's integer blocks, 1 byte a value)
+"""The few-row kernel (few_rows.c) where AMX is not: a narrow packing (GGUF's integer blocks, 1 byte a value)
 serves steps of 1..FEW_ROWS rows on the vector units of any CPU, its AVX2 build with the AVX-512 build's bits,
 as close to float64 as a float32 GEMM; more rows, and weights of other forms, keep the float32 path."""
 

@@ -115,7 +115,7 @@ class AmxWeight:
     def runs(self, rows: int) -> bool:
         """Whether a call with this many rows is worth the packing (the caller's float32 path takes the rest):
         AMX from MIN_ROWS rows on, any rows of a narrow packing (up to FEW_ROWS on the vector units, which
-        stream its 1-byte values: amx_gemm.c's few_rows; AMX from there on). Without AMX, or in halves: those
+        stream its 1-byte values: few_rows.c; AMX from there on). Without AMX, or in halves: those
         few rows."""
         return (rows >= MIN_ROWS or (self.narrow and rows > 0)) and rows <= self.max_rows
 
