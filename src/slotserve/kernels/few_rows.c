@@ -7,7 +7,7 @@
    float and multiplying it (3 operations per 16 weights and row) made 0.68-0.74 of it. Here the products
    are integers: the weights widened to 16 bits once for all rows, then two 16-bit pair multiply-adds
    (AVX512-VNNI's `vpdpwssd`; `vpmaddwd` and an add without it) per 32 weights and row: 1.6x the rate from
-   L2 and 0.76-0.81 of the read rate in `bench kernels` (same minutes as the conversion's 0.68-0.74).
+   L2 and 0.74-0.80 of the read rate in `bench kernels` (alternated with the conversion: 0.70-0.73).
 
    - Each row's x is written, per block of 32, as integers times a power of two, X = x * 2^q, q the largest
      that keeps every |X| within 2^30: exact where the block's values lie within 6 binary orders of its
@@ -233,7 +233,8 @@ static inline void few_rows(const split_x *xs, const slotserve_amx_weight *w, co
 /* out = x @ w^T + bias for a narrow weight and at most FEW rows, where this beats AMX's fixed work per tile
    of rows (a tile of 16 rows however few are real), and where there is no AMX. One thread's byte loads
    alone keep too few lines in flight to stream DRAM: fetching each block FEW_AHEAD bytes ahead into L2
-   measured 1.6-1.7x on 1 row and 1.3x on 4 (4-32 KB ahead alike). Guided: each thread streams long runs of
+   measured 1.6-1.7x on 1 row and 1.3x on 4 with the converting kernel (4-32 KB ahead alike; 8-64 KB alike
+   with this one). Guided: each thread streams long runs of
    pairs first, then shrinking ones, so the thread held up (by the other tenants' memory traffic, say) is
    not waited for at the end: batch-1 decode steps 1.00-1.05x against a static split (median 1.01, steps
    interleaved); dynamic runs of 4-16 pairs 0.89-1.01x (each run's prefetches fall in the next pairs, which
@@ -242,15 +243,11 @@ static inline void few_rows(const split_x *xs, const slotserve_amx_weight *w, co
 static int few_rows_gemm(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long M,
                          long N, long K, int threads) {
     const long pairs = (N + PAIR - 1) / PAIR, blocks = K / BLOCK;
-    int16_t *halves = malloc((size_t)(2 * M * K) * sizeof(int16_t));
-    float *units = malloc((size_t)(M * blocks) * sizeof(float));
-    float *sums = malloc((size_t)(3 * M * blocks) * sizeof(float));
-    if (!halves || !units || !sums) {
-        free(halves);
-        free(units);
-        free(sums);
+    /* each row's hi and lo halves, then its units and sums (4 floats a block): 4-byte aligned throughout */
+    int16_t *halves = malloc((size_t)(2 * M * K) * sizeof(int16_t) + (size_t)(4 * M * blocks) * sizeof(float));
+    if (!halves)
         return -1;
-    }
+    float *units = (float *)(halves + 2 * M * K), *sums = units + M * blocks;
     split_x xs[FEW];
     for (long m = 0; m < M; m++) {
         xs[m] = (split_x){halves + 2 * m * K, halves + (2 * m + 1) * K, units + m * blocks, sums + 3 * m * blocks};
@@ -269,7 +266,5 @@ static int few_rows_gemm(const float *x, const slotserve_amx_weight *w, const fl
         default: few_rows(xs, w, bias, out, N, K, p, FEW, 2);
         }
     free(halves);
-    free(units);
-    free(sums);
     return 0;
 }
