@@ -27,6 +27,52 @@ static float dot(const float *a, const float *b, long n) {
     return s;
 }
 
+/* Lane j of the result: hsum(acc[j]), with hsum's very additions (fold the halves, then again, then
+   (b0 + b2) + (b1 + b3)), done for VW vectors at once: each fold's adds serve two vectors, and no lane
+   is summed alone. Against a dot per key, same bits: one sequence of 256 keys (14 heads, 2 kv heads, 64
+   dims, 2 threads) 1.19x, of 1024 keys 1.22x; 32 of 256 keys 1.04x (AVX2 build: 1.23x, 1.20x, 1.11x). */
+static inline vf lane_sums(vf *acc) {
+#if VW == 16
+    for (int n = VW / 2; n >= 1; n /= 2) /* level: vectors left, each of 16 / (VW / n) keys' partials */
+        for (int i = 0; i < n; i++) {
+            const vf a = acc[2 * i], c = acc[2 * i + 1];
+            vf lo, hi;
+            if (n == 8) {
+                lo = __builtin_shufflevector(a, c, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+                hi = __builtin_shufflevector(a, c, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+            } else if (n == 4) {
+                lo = __builtin_shufflevector(a, c, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+                hi = __builtin_shufflevector(a, c, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+            } else if (n == 2) {
+                lo = __builtin_shufflevector(a, c, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+                hi = __builtin_shufflevector(a, c, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+            } else {
+                lo = __builtin_shufflevector(a, c, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+                hi = __builtin_shufflevector(a, c, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+            }
+            acc[i] = lo + hi;
+        }
+#else
+    for (int n = VW / 2; n >= 1; n /= 2)
+        for (int i = 0; i < n; i++) {
+            const vf a = acc[2 * i], c = acc[2 * i + 1];
+            vf lo, hi;
+            if (n == 4) {
+                lo = __builtin_shufflevector(a, c, 0, 1, 2, 3, 8, 9, 10, 11);
+                hi = __builtin_shufflevector(a, c, 4, 5, 6, 7, 12, 13, 14, 15);
+            } else if (n == 2) {
+                lo = __builtin_shufflevector(a, c, 0, 1, 4, 5, 8, 9, 12, 13);
+                hi = __builtin_shufflevector(a, c, 2, 3, 6, 7, 10, 11, 14, 15);
+            } else {
+                lo = __builtin_shufflevector(a, c, 0, 2, 4, 6, 8, 10, 12, 14);
+                hi = __builtin_shufflevector(a, c, 1, 3, 5, 7, 9, 11, 13, 15);
+            }
+            acc[i] = lo + hi;
+        }
+#endif
+    return acc[0];
+}
+
 /* out += sum of p[j] * v[j] over n floats, for KEYS rows v[j]: one load and store of out per KEYS keys */
 #define KEYS 4
 static inline void axpy(float *out, const float *p, const float *const *v, long n) {
@@ -71,10 +117,32 @@ static void attend(const float *q, float *out, const float *k_cache, const float
     const long heads = (h1 - h0) * group, span = (h1 - h0) * head_dim;
     q += h0 * group * head_dim;
     out += h0 * group * head_dim;
-    for (long pos = 0; pos < len; pos++) {
+    for (long pos = 0; pos < len;) {
+        if (pos + VW <= len && head_dim % VW == 0) { /* VW keys at once, with dot's very sums */
+            for (long j = pos + VW; j < pos + 2 * VW && j < len; j++) { /* the next VW keys */
+                prefetch_row(k_cache + offsets[j] + h0 * head_dim, span);
+                prefetch_row(v_cache + offsets[j] + h0 * head_dim, span); /* for the weighted sum */
+            }
+            for (long h = 0; h < h1 - h0; h++) {
+                const float *keys[VW];
+                for (int j = 0; j < VW; j++) keys[j] = k_cache + offsets[pos + j] + (h0 + h) * head_dim;
+                for (long g = 0; g < group; g++) {
+                    const long i = h * group + g;
+                    vf acc[VW];
+                    for (int j = 0; j < VW; j++) acc[j] = splat(0.0f);
+                    for (long d = 0; d < head_dim; d += VW) {
+                        const vf qd = load(q + i * head_dim + d);
+                        for (int j = 0; j < VW; j++) acc[j] = fmadd(qd, load(keys[j] + d), acc[j]);
+                    }
+                    store(scores + i * padded + pos, lane_sums(acc) * splat(scale));
+                }
+            }
+            pos += VW;
+            continue;
+        }
         if (pos + AHEAD < len) {
             prefetch_row(k_cache + offsets[pos + AHEAD] + h0 * head_dim, span);
-            prefetch_row(v_cache + offsets[pos + AHEAD] + h0 * head_dim, span); /* for the weighted sum */
+            prefetch_row(v_cache + offsets[pos + AHEAD] + h0 * head_dim, span);
         }
         for (long h = 0; h < h1 - h0; h++) {
             const float *key = k_cache + offsets[pos] + (h0 + h) * head_dim;
@@ -83,6 +151,7 @@ static void attend(const float *q, float *out, const float *k_cache, const float
                 scores[i * padded + pos] = dot(q + i * head_dim, key, head_dim) * scale;
             }
         }
+        pos++;
     }
     for (long i = 0; i < heads; i++) {
         float *s = scores + i * padded;
