@@ -328,6 +328,10 @@ static void configure_tiles(void) {
         c.colsb[i] = 64;
         c.rows[i] = TILE;
     }
+    /* GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes of the config, not 64: without this
+       barrier the stores to the rest may be dropped as dead (seen here: an inlined copy in an OpenMP region
+       kept only the palette, and ldtilecfg faulted). */
+    __asm__ volatile("" : : "r"(&c) : "memory");
     _tile_loadconfig(&c);
 }
 
