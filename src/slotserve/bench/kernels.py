@@ -102,8 +102,8 @@ def interleaved(limit: Callable[[], object], work: Callable[[], object], repeats
 def resident(engine: LLMEngine, table: list[int]) -> None:
     """Faults in the KV cache pages of a table's blocks (zeroing what they hold), as a server's are once it
     has run a while: the cache is faulted in lazily, and the first write into a 2 MB page costs 3.4-5 ms on
-    this VM, which in a round of batch-1 steps (each writing a new slot in 48 regions, a layer's keys or
-    values) came to ~0.3-0.5 ms a step (1-2 %) of page faults, not of decoding."""
+    this VM, which in a round of batch-1 steps (each writing a new slot into every layer's keys and values)
+    came to ~0.3-0.5 ms a step (1-2 %) of page faults, not of decoding."""
     runner = engine.runner
     slots = torch.tensor([b * runner.block_size + i for b in table for i in range(runner.block_size)])
     runner.k_cache[:, slots] = 0
