@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from slotserve.kernels import decode_attention
+from slotserve.kernels import decode_attention, native
 from slotserve.kernels.decode_attention import PagedTables
 from slotserve.layers.attention import Attention, AttentionMetadata, GatherWorkspace
 
@@ -131,10 +131,28 @@ def test_decode_rows_get_the_same_bits_alone_or_batched(mode, gather_limit):
     assert torch.equal(decode(list(range(len(lengths)))), alone)
 
 
+def _avx2_attention():
+    """decode_attention through the kernel's build without AVX-512 (8 lanes: what a laptop runs), or a skip."""
+    attend = native.function(decode_attention.SOURCE, "slotserve_decode_attention", decode_attention._ARGS,
+                             ("-mno-avx512f",))
+    if attend is None:
+        pytest.skip("no AVX2 build here")
+
+    def run(q, out, k_cache, v_cache, tables, block_size, scale):
+        assert attend(q.data_ptr(), out.data_ptr(), tables.rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                      tables.block_tables.data_ptr(), tables.block_tables.shape[1], tables.lens.data_ptr(),
+                      tables.rows.shape[0], q.shape[1], k_cache.shape[1], q.shape[2], block_size, scale,
+                      torch.get_num_threads()) == 0
+    return run
+
+
 @NEEDS_KERNEL
+@pytest.mark.parametrize("build", ["native", "avx2"])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(14, 2, 64), (8, 8, 128), (6, 2, 24), (1, 1, 1)])
-def test_paged_kernel_matches_reference_for_many_shapes(heads, kv_heads, dim):
-    """Head sizes with and without a vector tail, no GQA and deep GQA, lengths around the vector width."""
+def test_paged_kernel_matches_reference_for_many_shapes(build, heads, kv_heads, dim):
+    """Head sizes with and without a vector tail, no GQA and deep GQA, lengths around the vector width (the
+    scores of whole runs of vector-width keys go together), in both vector widths."""
+    attend = decode_attention.decode_attention if build == "native" else _avx2_attention()
     torch.manual_seed(0)
     bs, lengths = 16, [1, 2, 15, 16, 17, 31, 33, 200]
     need = [-(-n // bs) for n in lengths]
@@ -148,7 +166,7 @@ def test_paged_kernel_matches_reference_for_many_shapes(heads, kv_heads, dim):
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     rows = torch.arange(1, len(lengths) + 1)
     paged = PagedTables.build(rows, padded, torch.tensor(lengths, dtype=torch.int32), bs)
-    decode_attention.decode_attention(q, out, k_cache, v_cache, paged, bs, dim**-0.5)
+    attend(q, out, k_cache, v_cache, paged, bs, dim**-0.5)
     assert torch.equal(out[0], torch.full_like(out[0], 7.0))
     for row, table, n in zip(rows.tolist(), tables, lengths, strict=True):
         ctx = [table[p // bs] * bs + p % bs for p in range(n)]
