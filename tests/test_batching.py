@@ -13,6 +13,8 @@ from slotserve import SamplingParams
 from slotserve.config import EngineConfig
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
+from slotserve.engine.request import Request
+from slotserve.layers.sampler import SamplingState
 
 BLOCK = 4
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4  # K and V, 2 layers, 2 kv heads, head_dim 32, float32
@@ -201,3 +203,14 @@ def test_running_requests_keep_streaming_while_a_long_prompt_prefills(tiny_qwen3
     assert computed == [7 * (i + 1) for i in range(8)]
     engine.abort_request(["short", "long"])
     engine.kv.pool.check_whole()
+
+
+def test_a_requests_token_slices_read_across_its_prompt_and_output():
+    """What a scheduled chunk reads (its prompt, the output a preempted request recomputes, or both): every
+    slice as of the whole list."""
+    prompt = [11, 12, 13, 14, 15]
+    params = SamplingParams(max_tokens=8)
+    req = Request("r", prompt, params, SamplingState.new(params, prompt, [], 32), 8,
+                  output_token_ids=[21, 22, 23])
+    whole = req.all_token_ids
+    assert all(req.token_ids(a, b) == whole[a:b] for a in range(len(whole) + 1) for b in range(a, len(whole) + 1))

@@ -150,7 +150,7 @@ class EngineCore:
             last_chunk = start + num_new == req.num_tokens
             scores_prompt = req.prompt_logprobs is not None and len(req.prompt_logprobs) < len(req.prompt_token_ids)
             wanted = "hidden" if req.pooling else "all" if scores_prompt else "last"
-            seqs.append(ScheduledSeq(req.all_token_ids[start:start + num_new], start, req.block_table,
+            seqs.append(ScheduledSeq(req.token_ids(start, start + num_new), start, req.block_table,
                                      logits=wanted if last_chunk or scores_prompt else "none"))
         results = self.runner.execute(seqs)
         outputs, sampling = [], []
