@@ -103,11 +103,11 @@ class AttentionMetadata:
         paged = decode_mode == "paged"
         several_decodes = decode_mode == "batched" and query_lens.count(1) > 1
         for i, (table, length) in enumerate(zip(block_tables, seq_lens, strict=True)):
-            start = _consecutive_start(table, length, block_size)
             # With company, a decode row whose context is cheap to copy joins the batched gather even when
             # it could be read in place: one SDPA call per sequence costs more than the copy.
             join_batch = paged or (several_decodes and query_lens[i] == 1 and length <= gather_limit)
-            if start is not None and not join_batch:
+            start = None if join_batch else _consecutive_start(table, length, block_size)  # a walk of its blocks
+            if start is not None:
                 context.append(slice(start, start + padded_len(length)))
             elif decode_mode != "per_seq" and query_lens[i] == 1:
                 context.append(None)
