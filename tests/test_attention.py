@@ -197,3 +197,19 @@ def test_paged_kernel_rejects_tables_that_do_not_fit_the_cache():
         call(rows=torch.tensor([0, 2]))
     with pytest.raises(ValueError, match="float32"):
         call(q=q.double())
+
+
+def test_tables_from_lists_are_checked_like_built_ones():
+    """The engine's path (Python lists, a step's tables padded to one width): the tensors build gives, and
+    its range errors; tables of unequal widths are refused."""
+    rows, tables, lens = [0, 2], [[3, 1, 4], [1, 5, 9]], [9, 12]
+    listed = PagedTables.from_lists(rows, tables, lens, BS, torch.device("cpu"))
+    built = PagedTables.build(torch.tensor(rows), torch.tensor(tables, dtype=torch.int32),
+                              torch.tensor(lens, dtype=torch.int32), BS)
+    assert all(torch.equal(getattr(listed, f), getattr(built, f)) for f in ("rows", "block_tables", "lens"))
+    assert (listed.blocks_needed, listed.rows_needed) == (built.blocks_needed, built.rows_needed) == (10, 3)
+    for bad_tables, bad_lens in (([[3, 1, 4], [1, -5, 9]], lens), (tables, [9, 3 * BS + 1])):
+        with pytest.raises(ValueError, match="out of range"):  # a negative block; more keys than blocks
+            PagedTables.from_lists(rows, bad_tables, bad_lens, BS, torch.device("cpu"))
+    with pytest.raises(ValueError, match="one width"):
+        PagedTables.from_lists(rows, [[3, 1, 4], [1, 5]], lens, BS, torch.device("cpu"))
