@@ -212,5 +212,5 @@ def test_a_requests_token_slices_read_across_its_prompt_and_output():
     params = SamplingParams(max_tokens=8)
     req = Request("r", prompt, params, SamplingState.new(params, prompt, [], 32), 8,
                   output_token_ids=[21, 22, 23])
-    whole = req.all_token_ids
+    whole = prompt + req.output_token_ids
     assert all(req.token_ids(a, b) == whole[a:b] for a in range(len(whole) + 1) for b in range(a, len(whole) + 1))

@@ -66,13 +66,9 @@ class Request:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     pooling: PoolingParams | None = None
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     def token_ids(self, start: int, end: int) -> list[int]:
-        """all_token_ids[start:end] without building all of it: a decode step reads one token of a context
-        that may be thousands long."""
+        """(prompt + output tokens)[start:end], without building the whole list: a decode step reads one token
+        of a context that may be thousands long, a full block 16."""
         prompt = len(self.prompt_token_ids)
         if end <= prompt:
             return self.prompt_token_ids[start:end]

@@ -39,15 +39,14 @@ class KVCacheManager:
         left to compute, because the last position's logits are needed to sample."""
         if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return []  # prompt logprobs need every prompt position computed
-        tokens = request.all_token_ids
-        hashes = self._hashes(request, (len(tokens) - 1) // self.block_size)
+        hashes = self._hashes(request, (request.num_tokens - 1) // self.block_size)
         found = []
         for i, block_hash in enumerate(hashes):
-            block_id = self.pool.lookup(block_hash, self._block_tokens(tokens, i))
+            block_id = self.pool.lookup(block_hash, self._block_tokens(request, i))
             if block_id is None:
                 break
             found.append(block_id)
-        self.stats.queried_tokens += len(tokens)
+        self.stats.queried_tokens += request.num_tokens
         self.stats.hit_tokens += len(found) * self.block_size
         return found
 
@@ -75,9 +74,8 @@ class KVCacheManager:
         if full <= request.num_registered_blocks:
             return
         hashes = self._hashes(request, full)
-        tokens = request.all_token_ids
         for i in range(request.num_registered_blocks, full):
-            self.pool.cache(request.block_table[i], hashes[i], self._block_tokens(tokens, i))
+            self.pool.cache(request.block_table[i], hashes[i], self._block_tokens(request, i))
         request.num_registered_blocks = full
 
     def free(self, request: Request) -> None:
@@ -85,14 +83,13 @@ class KVCacheManager:
         request.block_table = []
         request.num_registered_blocks = 0
 
-    def _block_tokens(self, tokens: list[int], i: int) -> tuple[int, ...]:
-        return tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+    def _block_tokens(self, request: Request, i: int) -> tuple[int, ...]:
+        return tuple(request.token_ids(i * self.block_size, (i + 1) * self.block_size))
 
     def _hashes(self, request: Request, count: int) -> list[int]:
         """The chained hashes of the request's first `count` full blocks, extended incrementally."""
         hashes = request.block_hashes
-        tokens = request.all_token_ids
         while len(hashes) < count:
             parent = hashes[-1] if hashes else _ROOT_HASH
-            hashes.append(hash((parent, self._block_tokens(tokens, len(hashes)))))
+            hashes.append(hash((parent, self._block_tokens(request, len(hashes)))))
         return hashes[:count]
