@@ -68,7 +68,7 @@ class Request:
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """(prompt + output tokens)[start:end], without building the whole list: a decode step reads one token
-        of a context that may be thousands long, a full block 16."""
+        of a context that may be thousands long, the prefix cache one block's."""
         prompt = len(self.prompt_token_ids)
         if end <= prompt:
             return self.prompt_token_ids[start:end]
