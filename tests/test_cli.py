@@ -136,11 +136,10 @@ def test_the_read_rate_pass_reads_every_float_once(threads):
 
     import torch
 
-    from slotserve.bench.kernels import READ_SOURCE
+    from slotserve.bench.kernels import READ_ARGS, READ_SOURCE
     from slotserve.kernels import native
 
-    read = native.function(READ_SOURCE, "slotserve_read_sum",
-                           (ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p))
+    read = native.function(READ_SOURCE, "slotserve_read_sum", READ_ARGS)
     if read is None:
         pytest.skip("no C compiler with OpenMP here")
     total = ctypes.c_float()

@@ -38,6 +38,7 @@ GEMM_SIZE = 2048
 GEMM_FLOPS = 2 * GEMM_SIZE**3  # of one gemm_pass
 FMA_SOURCE = Path(native.__file__).with_name("fma_peak.c")
 READ_SOURCE = Path(native.__file__).with_name("memory_read.c")
+READ_ARGS = (ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p)  # slotserve_read_sum's
 FMA_SECONDS = 0.1  # of one fma_peak pass, about
 
 
@@ -53,8 +54,7 @@ def read_pass(buffer: torch.Tensor) -> Callable[[], object]:
     """One read of the buffer from DRAM, by plain vector loads on all of torch's threads
     (kernels/memory_read.c); where the native kernels are not built, by torch's `sum`, which reads ~20 %
     slower here (`memory_read_torch_sum_GBps`)."""
-    read = native.function(READ_SOURCE, "slotserve_read_sum",
-                           (ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p))
+    read = native.function(READ_SOURCE, "slotserve_read_sum", READ_ARGS)
     if read is None:
         return buffer.sum
     sink = ctypes.c_float()

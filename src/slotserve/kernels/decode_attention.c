@@ -32,11 +32,11 @@ static float dot(const float *a, const float *b, long n) {
    is summed alone. Against a dot per key, same bits: one sequence of 256 keys (14 heads, 2 kv heads, 64
    dims, 2 threads) 1.19x, of 1024 keys 1.22x; 32 of 256 keys 1.04x (AVX2 build: 1.23x, 1.20x, 1.11x). */
 static inline vf lane_sums(vf *acc) {
-#if VW == 16
     for (int n = VW / 2; n >= 1; n /= 2) /* each level halves the vectors: n left, each of VW / n keys */
         for (int i = 0; i < n; i++) {
             const vf a = acc[2 * i], c = acc[2 * i + 1];
             vf lo, hi;
+#if VW == 16
             if (n == 8) {
                 lo = __builtin_shufflevector(a, c, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
                 hi = __builtin_shufflevector(a, c, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -50,13 +50,7 @@ static inline vf lane_sums(vf *acc) {
                 lo = __builtin_shufflevector(a, c, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
                 hi = __builtin_shufflevector(a, c, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
             }
-            acc[i] = lo + hi;
-        }
 #else
-    for (int n = VW / 2; n >= 1; n /= 2)
-        for (int i = 0; i < n; i++) {
-            const vf a = acc[2 * i], c = acc[2 * i + 1];
-            vf lo, hi;
             if (n == 4) {
                 lo = __builtin_shufflevector(a, c, 0, 1, 2, 3, 8, 9, 10, 11);
                 hi = __builtin_shufflevector(a, c, 4, 5, 6, 7, 12, 13, 14, 15);
@@ -67,9 +61,9 @@ static inline vf lane_sums(vf *acc) {
                 lo = __builtin_shufflevector(a, c, 0, 2, 4, 6, 8, 10, 12, 14);
                 hi = __builtin_shufflevector(a, c, 1, 3, 5, 7, 9, 11, 13, 15);
             }
+#endif
             acc[i] = lo + hi;
         }
-#endif
     return acc[0];
 }
 
