@@ -65,12 +65,19 @@ def test_few_rows_are_as_close_to_float64_as_a_float32_gemm(no_amx, kind, n, k, 
     assert_as_close_to_float64_as_a_float32_gemm(kind, n, k, rows)
 
 
+# What CPUs without AVX-512 run (8 lanes, not 16), built here: AVX2 with VNNI's byte products, AVX2 with its
+# 16-bit ones, and the plain C integer code (AVX without AVX2; multiply-adds still fused: where there are
+# none, a * b + c rounds twice and the bits differ).
+OTHER_BUILDS = {"avx2 vnni": ("-mno-avx512f",), "avx2": ("-mno-avx512f", "-mno-avxvnni"), "plain": ("-mno-avx2",)}
+
+
+@pytest.mark.parametrize("build", OTHER_BUILDS)
 @pytest.mark.parametrize("kind", FEW_ROW_WEIGHTS)
-def test_the_avx2_build_gives_the_same_bits(kind):
-    """What a CPU without AVX-512 runs (8 lanes, not 16), built here: the same operations lane by lane."""
-    gemm = native.function(amx_gemm.SOURCE, "slotserve_amx_gemm", amx_gemm._GEMM_ARGS, ("-mno-avx512f",))
+def test_other_builds_give_the_same_bits(kind, build):
+    """The same integers and the same float operations lane by lane, whatever the vector width and products."""
+    gemm = native.function(amx_gemm.SOURCE, "slotserve_amx_gemm", amx_gemm._GEMM_ARGS, OTHER_BUILDS[build])
     if gemm is None:
-        pytest.skip("no AVX2 build here")
+        pytest.skip(f"no {build} build here")
     n, k = 1000, 896  # pairs of weight tiles and a last, partial one
     packed = amx_gemm.AmxWeight.pack(FEW_ROW_WEIGHTS[kind](n, k), torch.randn(n))
     x = torch.randn(amx_gemm.FEW_ROWS + 1, k)

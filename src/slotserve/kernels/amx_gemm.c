@@ -26,7 +26,9 @@
 
    Layout of a packed weight: rows in pairs of 16-row tiles; for each pair and each block of 32 along K, the
    two tiles' values as AMX wants them (pairs along K, [16 k-pairs][16 rows][2]), 1024 values; and the
-   pair's 32 scales (and offsets) per block. Rows past N are zero.
+   pair's 32 scales (and offsets) per block. Rows past N are zero. Narrow values go in k-quads instead
+   ([8 k-quads][16 rows][4]), each plus 128 as an unsigned byte: what few_rows.c's byte products take; AMX's
+   path turns each quad back into its two pairs as it widens them.
 
    Values of two bfloat16 parts (Q6_K's per-16 scales under a per-block one, float16 checkpoints) would be
    exact too, but they stream 4 bytes a value like float32 and cost twice the tile products: measured no
@@ -96,8 +98,8 @@ static __mmask16 abnormal(__m512 x) {
 /* block_fit, 16 weights a vector: the same operations on each weight, so the same result, where it can
    decide; -1 where it cannot and block_fit's scalar loop must (a zero offset, whose sign the scalar order
    picks; values whose least odd significand part does not divide the others, where the greatest common
-   divisor takes Euclid's loop), both rare in GGUF's blocks. With integer_fit's vectors and the k-pairs stored
-   whole, the default model packs in 1.56-1.69 s against 4.33-4.53 s (2 threads). */
+   divisor takes Euclid's loop), both rare in GGUF's blocks. With integer_fit's vectors, the default model
+   packs in 1.56-1.69 s against 4.33-4.53 s (2 threads). */
 static int block_fit_wide(const float *w, int len, int with_offset, float *scale, float *offset, float *v) {
     const int vectors = len / 16;
     __m512 x[BLOCK / 16] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -282,16 +284,16 @@ int slotserve_amx_pack(const float *w, long N, long K, float *offsets, void *val
                     if (offsets)
                         offsets[at + h * PAIR + r] = offset;
                 }
-                for (int kp = 0; kp < BLOCK / 2 && !bad; kp++) { /* a k-pair's two values side by side */
-                    const long i = tiles + t * TILE * BLOCK + (kp * TILE + col) * 2;
-                    if (narrow) {
-                        const int8_t pair[2] = {(int8_t)v[2 * kp], (int8_t)v[2 * kp + 1]};
-                        memcpy((int8_t *)values + i, pair, sizeof pair);
-                    } else {
-                        const uint16_t pair[2] = {(uint16_t)(float_bits(v[2 * kp]) >> 16),
-                                                  (uint16_t)(float_bits(v[2 * kp + 1]) >> 16)};
-                        memcpy((uint16_t *)values + i, pair, sizeof pair);
-                    }
+                for (int kq = 0; kq < BLOCK / 4 && narrow && !bad; kq++) { /* a k-quad's values, plus 128 */
+                    const float *f = v + 4 * kq;
+                    const uint8_t quad[4] = {(uint8_t)((int)f[0] + 128), (uint8_t)((int)f[1] + 128),
+                                             (uint8_t)((int)f[2] + 128), (uint8_t)((int)f[3] + 128)};
+                    memcpy((uint8_t *)values + tiles + t * TILE * BLOCK + (kq * TILE + col) * 4, quad, sizeof quad);
+                }
+                for (int kp = 0; kp < BLOCK / 2 && !narrow && !bad; kp++) { /* a k-pair's two values */
+                    const uint16_t pair[2] = {(uint16_t)(float_bits(v[2 * kp]) >> 16),
+                                              (uint16_t)(float_bits(v[2 * kp + 1]) >> 16)};
+                    memcpy((uint16_t *)values + tiles + t * TILE * BLOCK + (kp * TILE + col) * 2, pair, sizeof pair);
                 }
             }
         }
@@ -301,7 +303,7 @@ int slotserve_amx_pack(const float *w, long N, long K, float *offsets, void *val
 
 #include "few_rows.c"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/syscall.h>
@@ -370,8 +372,10 @@ static void split_tile(const float *x, long M, long K, long m0, uint16_t *parts,
    the next block's weights are fetched into L2 while this one multiplies: 1.03-1.05x beyond the turns on
    the default model's shapes, 24 layers' copies, 2 threads. With more row tiles the weights come from L3
    for all but the first, and the same prefetch measured 0.91-0.95x.
-   A narrow block is widened into `wide` first: against its bfloat16 packing, same run, 1.03-1.07x on 32
-   rows (six runs of 15 rounds, gate/up and down shapes, 24 copies), 1.24x on one row, 0.97-1.02x on 512. */
+   A narrow block is widened into `wide` first (its k-quads as k-pairs, less 128): against its bfloat16
+   packing, same run, 1.03-1.07x on 32 rows (six runs of 15 rounds, gate/up and down shapes, 24 copies),
+   1.24x on one row, 0.97-1.02x on 512 (measured when narrow values were stored as pairs, before few_rows.c
+   took quads; `bench kernels`' prefill and batched decode fractions held). */
 static void pair_rows(const uint16_t *parts, const float *xsums, const slotserve_amx_weight *w, const float *bias,
                       float *out, long M, long N, long K, long p, long m0, int prefetch) {
     const long blocks = K / BLOCK;
@@ -380,6 +384,9 @@ static void pair_rows(const uint16_t *parts, const float *xsums, const slotserve
     float acc[2][PAIR][TILE] __attribute__((aligned(64)));
     uint16_t wide[2 * TILE * BLOCK] __attribute__((aligned(64))); /* a narrow block as bfloat16 */
     const long size = w->narrow ? 1 : 2;                            /* bytes a value */
+    uint8_t order[64]; /* a k-quad's 64 bytes (16 rows' 4 values) as its two k-pairs' 32 each */
+    for (int j = 0; j < 64; j++) order[j] = (uint8_t)(j % 32 / 2 * 4 + j / 32 * 2 + j % 2);
+    const __m512i quad_pairs = _mm512_loadu_si512(order);
     memset(acc, 0, sizeof acc);
     for (long g0 = 0; g0 < blocks; g0 += GROUP) {
         const int group = blocks - g0 < GROUP ? blocks - g0 : GROUP;
@@ -392,11 +399,16 @@ static void pair_rows(const uint16_t *parts, const float *xsums, const slotserve
                     _mm_prefetch((const char *)w->values + (at + 2 * TILE * BLOCK) * size + i, _MM_HINT_T1);
             if (w->narrow) {
                 const int8_t *q = (const int8_t *)w->values + at;
-                for (int i = 0; i < 2 * TILE * BLOCK; i += 32) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(q + i));
-                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
-                    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
-                    _mm512_store_si512((__m512i *)(wide + i), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                for (int i = 0; i < 2 * TILE * BLOCK; i += 64) { /* a k-quad: two k-pairs, less 128 */
+                    const __m512i quad = _mm512_loadu_si512(q + i);
+                    const __m512i pairs = _mm512_xor_si512(_mm512_permutexvar_epi8(quad_pairs, quad),
+                                                           _mm512_set1_epi8((char)0x80));
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i v = h ? _mm512_extracti64x4_epi64(pairs, 1) : _mm512_castsi512_si256(pairs);
+                        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+                        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+                        _mm512_store_si512((__m512i *)(wide + i + 32 * h), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                    }
                 }
             } else
                 wb = (const uint16_t *)w->values + at;

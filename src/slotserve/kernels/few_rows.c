@@ -1,26 +1,33 @@
 /* The few-row kernel: calls of 1..FEW rows of a narrow packing (amx_gemm.c's int8 values under a scale, and
    an offset or not, per block of 32, or per half block: `halves`) on the vector units, on any CPU.
 
-   At batch 1 a step streams every weight once, and how many cache lines each core keeps in flight bounds
-   it: the fewer vector operations a line costs, the more are in flight (the float32 kernel spends one
-   multiply-add a line and streams at 0.93 of the machine's read rate). Converting every int8 weight to
-   float and multiplying it (3 operations per 16 weights and row) made 0.68-0.74 of it. Here the products
-   are integers: the weights widened to 16 bits once for all rows, then two 16-bit pair multiply-adds
-   (AVX512-VNNI's `vpdpwssd`; `vpmaddwd` and an add without it) per 32 weights and row: 1.6x the rate from
-   L2 and 0.74-0.80 of the read rate in `bench kernels` (alternated with the conversion: 0.70-0.73).
+   At batch 1 a step streams every weight once, and how many vector operations a cache line costs bounds it
+   here: the fewer, the closer the stream comes to the machine's read rate (the float32 kernel spends one
+   multiply-add a line and streams at 0.93 of it). So the products are integers, and the weights stay bytes:
+   each 4 * VW bytes (VW outputs' values at 4 consecutive k, `quads`, stored plus 128 as unsigned bytes) meet
+   x's digits in four byte multiply-adds (VNNI's `vpdpbusd`), one per signed byte of x, where the 16-bit pair
+   products they replace cost two widenings and four `vpdpwssd` a line: 1.02-1.05x the stream rate of all the
+   default model's narrow linears from DRAM (0.82-0.83 of the read rate against 0.78-0.81; 2-vCPU Xeon,
+   processes alternated), batch-1 decode steps 1.00-1.05x. The same loop with loads alone and no products
+   made 0.87-0.89, with one byte product a line 0.88-0.92.
 
    - Each row's x is written, per block of 32, as integers times a power of two, X = x * 2^q, q the largest
-     that keeps every |X| within 2^30: exact where the block's values lie within 6 binary orders of its
-     largest, else rounded to the nearest integer (2^-30 of that largest); X = hi * 2^16 + lo, each 16 bits.
-   - Per block (or half block) and output, S = the sum of v * X, exact in 32-bit integers (|v| <= 128), is
-     made float as hi's sum * 2^16 + lo's; the block's scale * S (+ offset * the sum of X) times 2^-q is
-     added to a sum of GROUP_BLOCKS blocks, and those sums to the output. Against float64, on the default
-     model's shapes: 0.33-0.82x a float32 GEMM's largest error (the converting kernel: 0.57-1.2x).
+     that keeps every |X| within 2^X_BITS: exact where the block's values lie within 5 binary orders of its
+     largest, else rounded to the nearest integer (2^-29 of that largest); X = hi * 2^15 + lo, each within
+     2^14, and each of those two signed bytes (lo = 256 * lo1 + lo0).
+   - Per block (or half block) and output, H and L = the sums of v * hi and of v * lo, exact in 32-bit
+     integers: with byte digits, sum (v + 128) * digit over k and digits (256 apart), less 128 times the sum
+     of hi (of lo), which split_block counts once per row; without VNNI, 16-bit pair products of the widened
+     (v + 128) and of hi and lo (`pmaddwd`), less the same. S = float(H) * 2^15 + float(L); the block's
+     scale * S (+ offset * the sum of X) times 2^-q is added to a sum of GROUP_BLOCKS blocks, and those sums
+     to the output. Against float64, on the default model's shapes (Q5_0-, Q4_K- and Q6_K-like weights, 1 and
+     4 rows): 0.24-0.78x a float32 GEMM's largest error, as with 2^30 and 16-bit products.
 
    A block with an infinite or NaN x gives NaN, as float32 arithmetic would; one whose largest |x| is under
-   2^-97 keeps fewer bits (2^-q must stay a normal float). The sums of products are integers and the rest
-   the same float operations lane by lane, so every build (AVX-512, AVX2, plain C) gives the same bits, and
-   a row's bits do not depend on the other rows of its call. */
+   2^-98 keeps fewer bits (2^-q must stay a normal float). H and L are exact integers, the same in every
+   build, and the rest the same float operations lane by lane, so every build (AVX-512, AVX2 with or without
+   VNNI, plain C with fused multiply-adds) gives the same bits, and a row's bits do not depend on the other
+   rows of its call. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -30,21 +37,32 @@
 #define FEW 4 /* the most rows few_rows takes: its accumulators stay in registers */
 #define FEW_AHEAD 16384 /* bytes: how far ahead few_rows fetches its weights */
 #define OUT_VECTORS (TILE / VW) /* vectors of one weight tile's outputs */
-#define TILES_AT_ONCE (VW == 16 ? 2 : 1) /* weight tiles a pass over the blocks takes: AVX2's 16 registers hold one */
-#define X_BITS 30                        /* |X| <= 2^X_BITS */
-/* Sums of one row kept side by side (every other k-pair): a single row's multiply-adds would otherwise
-   wait on each other's latency; more rows are independent sums already. */
-#define CHAINS 2
+#define X_BITS 29 /* |X| <= 2^X_BITS: hi and lo within 2^14, so in 16 bits and in two signed bytes each */
+#define HALF_BITS 15 /* X = hi * 2^HALF_BITS + lo */
+/* integer sums a pass over the blocks keeps in registers (4 per row and output vector): AVX2 has 16 in all */
+#define SUMS_AT_ONCE (VW == 16 ? 16 : 8)
 #define GROUP_BLOCKS 8 /* blocks summed apart before they join the output's sum: fewer roundings in a row */
+#if (VW == 16 && defined(__AVX512VNNI__)) || (VW == 8 && defined(__AVXVNNI__))
+#define BYTE_DIGITS 1 /* x's halves as signed bytes against the weights' bytes (vpdpbusd) */
+#else
+#define BYTE_DIGITS 0 /* x's halves as 16 bits against the widened weights (pmaddwd) */
+#endif
 
-/* A row's x as integers (split_row): hi and lo [K] (X = hi * 2^16 + lo), and per block of 32 the unit
-   2^-q and the sums of X over each half and over the whole block ([blocks][3], as floats). */
+/* A row's x as integers (split_block): its digits, and per block of 32 the unit 2^-q, and over each half and
+   the whole block 128 times the sums of hi and of lo ([blocks][3][2]) and the sums of X ([blocks][3], as
+   floats, for offsets). */
 typedef struct {
-    int16_t *hi, *lo;
+#if BYTE_DIGITS
+    int8_t *digits; /* [4][K]: lo's low and high byte, hi's low and high byte */
+#else
+    int16_t *hi, *lo; /* [K] each */
+#endif
+    int32_t *bias;
     float *unit, *sums;
 } split_x;
 
 typedef short vs __attribute__((vector_size(VW * sizeof(short))));
+typedef signed char vb __attribute__((vector_size(VW)));
 
 /* Each lane rounded to the nearest integer (ties to even, the default rounding mode), as int32. */
 static inline vi round_ints(vf v) {
@@ -87,48 +105,79 @@ static float power_of_two(int e) { /* 2^e for e in [-126, 127] */
     return f;
 }
 
-/* x's K values (K a multiple of BLOCK) into s; the sums of X only `with_sums` (offsets need them). */
-static void split_row(const float *x, long K, split_x s, int with_sums) {
-    for (long b = 0; b < K / BLOCK; b++) {
-        const float *xb = x + b * BLOCK;
-        vi most = {0}; /* |x| as bits, lane by lane: integers compare as the floats do */
-        for (int j = 0; j < BLOCK; j += VW) {
-            const vi a = (vi)load(xb + j) & 0x7fffffff;
-            const vi gt = a > most;
-            most = (a & gt) | (most & ~gt);
-        }
-        const int largest = max_lane(most), finite = largest < 0x7f800000;
-        int q = X_BITS - 1 - ((largest >> 23) - 127); /* largest < 2^(e + 1): |X| <= 2^X_BITS */
-        q = q > 126 ? 126 : q;
-        const vf up = splat(finite ? power_of_two(q) : 0.0f);
-        s.unit[b] = finite ? power_of_two(-q) : NAN;
-        vi his[2] = {{0}}, los[2] = {{0}}; /* each half's hi and lo, summed lane by lane (under 2^20) */
-        for (int j = 0; j < BLOCK; j += VW) {
-            const vi X = round_ints(load(xb + j) * up);
-            const vi hi = (X + 32768) >> 16, lo = X - (hi << 16);
-            const vs h = __builtin_convertvector(hi, vs), l = __builtin_convertvector(lo, vs);
-            memcpy(s.hi + b * BLOCK + j, &h, sizeof h);
-            memcpy(s.lo + b * BLOCK + j, &l, sizeof l);
-            his[j / (BLOCK / 2)] += hi;
-            los[j / (BLOCK / 2)] += lo;
-        }
-        if (with_sums) {
-            const long long half[2] = {(long long)sum_lanes(his[0]) * 65536 + sum_lanes(los[0]),
-                                       (long long)sum_lanes(his[1]) * 65536 + sum_lanes(los[1])};
-            s.sums[3 * b] = (float)half[0];
-            s.sums[3 * b + 1] = (float)half[1];
-            s.sums[3 * b + 2] = (float)(half[0] + half[1]);
-        }
+/* hi and lo of k .. k + VW - 1 into s: as two signed bytes each, or as 16 bits. */
+static inline void store_halves(split_x s, long K, long k, vi hi, vi lo) {
+#if BYTE_DIGITS
+    const vi halves[2] = {lo, hi};
+    for (int h = 0; h < 2; h++) {
+        const vi low = (halves[h] << 24) >> 24; /* the low byte, as a signed one */
+        const vb digits[2] = {__builtin_convertvector(low, vb), __builtin_convertvector((halves[h] - low) >> 8, vb)};
+        memcpy(s.digits + (2 * h) * K + k, &digits[0], sizeof digits[0]);
+        memcpy(s.digits + (2 * h + 1) * K + k, &digits[1], sizeof digits[1]);
+    }
+#else
+    (void)K;
+    const vs h = __builtin_convertvector(hi, vs), l = __builtin_convertvector(lo, vs);
+    memcpy(s.hi + k, &h, sizeof h);
+    memcpy(s.lo + k, &l, sizeof l);
+#endif
+}
+
+/* Block b of x's K values into s; the sums of X only `with_sums` (offsets need them). */
+static void split_block(const float *x, long K, long b, split_x s, int with_sums) {
+    const float *xb = x + b * BLOCK;
+    vi most = {0}; /* |x| as bits, lane by lane: integers compare as the floats do */
+    for (int j = 0; j < BLOCK; j += VW) {
+        const vi a = (vi)load(xb + j) & 0x7fffffff;
+        const vi gt = a > most;
+        most = (a & gt) | (most & ~gt);
+    }
+    const int largest = max_lane(most), finite = largest < 0x7f800000;
+    int q = X_BITS - 1 - ((largest >> 23) - 127); /* largest < 2^(e + 1): |X| <= 2^X_BITS */
+    q = q > 126 ? 126 : q;
+    const vf up = splat(finite ? power_of_two(q) : 0.0f);
+    s.unit[b] = finite ? power_of_two(-q) : NAN;
+    vi his[2] = {{0}}, los[2] = {{0}}; /* each half's hi and lo, summed lane by lane (under 2^19) */
+    for (int j = 0; j < BLOCK; j += VW) {
+        const vi X = round_ints(load(xb + j) * up);
+        const vi hi = (X + (1 << (HALF_BITS - 1))) >> HALF_BITS, lo = X - hi * (1 << HALF_BITS);
+        store_halves(s, K, b * BLOCK + j, hi, lo);
+        his[j / (BLOCK / 2)] += hi;
+        los[j / (BLOCK / 2)] += lo;
+    }
+    const int hi_sums[2] = {sum_lanes(his[0]), sum_lanes(his[1])}, lo_sums[2] = {sum_lanes(los[0]), sum_lanes(los[1])};
+    for (int part = 0; part < 3; part++) { /* each half, then the whole */
+        s.bias[6 * b + 2 * part] = 128 * (part < 2 ? hi_sums[part] : hi_sums[0] + hi_sums[1]);
+        s.bias[6 * b + 2 * part + 1] = 128 * (part < 2 ? lo_sums[part] : lo_sums[0] + lo_sums[1]);
+    }
+    if (with_sums) {
+        const long long half[2] = {(long long)hi_sums[0] * (1 << HALF_BITS) + lo_sums[0],
+                                   (long long)hi_sums[1] * (1 << HALF_BITS) + lo_sums[1]};
+        s.sums[3 * b] = (float)half[0];
+        s.sums[3 * b + 1] = (float)half[1];
+        s.sums[3 * b + 2] = (float)(half[0] + half[1]);
     }
 }
 
-/* VW outputs' two int8 weights of one k-pair (2 * VW bytes at p, the tiles' layout), widened to 16 bits:
-   each 32-bit lane one output's pair. */
-static inline vi widen_pairs(const int8_t *p) {
+#if BYTE_DIGITS
+/* acc + per lane the sum of its 4 weight bytes (unsigned: v + 128) times the 4 signed digits at x. */
+static inline vi dot_quads(vi acc, vi w, const int8_t *x) {
+    int32_t quad;
+    memcpy(&quad, x, sizeof quad);
 #if VW == 16
-    return (vi)_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(quad));
+#else
+    return (vi)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)w, _mm256_set1_epi32(quad));
+#endif
+}
+#else
+/* 2 * VW weight bytes at p (VW / 2 outputs' quads) widened to 16 bits: each 32-bit lane a pair of one output's
+   quad, its first pair in even lanes, its second in odd ones. */
+static inline vi widen_quads(const uint8_t *p) {
+#if VW == 16
+    return (vi)_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
 #elif defined(__AVX2__)
-    return (vi)_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    return (vi)_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
 #else
     int16_t wide[2 * VW];
     for (int i = 0; i < 2 * VW; i++) wide[i] = p[i];
@@ -138,104 +187,125 @@ static inline vi widen_pairs(const int8_t *p) {
 #endif
 }
 
-/* acc + each lane's pair of 16-bit weights times the pair of 16-bit x halves at x (exact in 32 bits). */
+/* acc + each lane's pair of 16-bit weights times x's pair, x[0..1] in even lanes and x[2..3] in odd ones. */
 static inline vi dot_pairs(vi acc, vi w, const int16_t *x) {
-    int32_t pair;
-    memcpy(&pair, x, sizeof pair);
-#if VW == 16 && defined(__AVX512VNNI__)
-    return (vi)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(pair));
-#elif VW == 16
-    return acc + (vi)_mm512_madd_epi16((__m512i)w, _mm512_set1_epi32(pair));
-#elif defined(__AVXVNNI__)
-    return (vi)_mm256_dpwssd_avx_epi32((__m256i)acc, (__m256i)w, _mm256_set1_epi32(pair));
+    long long four;
+    memcpy(&four, x, sizeof four);
+#if VW == 16
+    return acc + (vi)_mm512_madd_epi16((__m512i)w, _mm512_set1_epi64(four));
 #elif defined(__AVX2__)
-    return acc + (vi)_mm256_madd_epi16((__m256i)w, _mm256_set1_epi32(pair));
+    return acc + (vi)_mm256_madd_epi16((__m256i)w, _mm256_set1_epi64x(four));
 #else
+    (void)four;
     for (int i = 0; i < VW; i++)
-        acc[i] += (int16_t)(w[i] & 0xffff) * x[0] + (int16_t)((uint32_t)w[i] >> 16) * x[1];
+        acc[i] += (int16_t)(w[i] & 0xffff) * x[i % 2 * 2] + (int16_t)((uint32_t)w[i] >> 16) * x[i % 2 * 2 + 1];
     return acc;
 #endif
 }
 
-/* The rows of x (split: xs) against pair p of a narrow weight. */
+/* Each output's two pair sums added, a's VW / 2 outputs then b's. */
+static inline vi pair_sums(vi a, vi b) {
+#if VW == 16
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
+}
+#endif
+
+/* The rows of x (split: xs) against pair p of a narrow weight: its 2 * OUT_VECTORS output vectors, at_once of
+   them a pass over the blocks (a pass reads their share of each cache line; the next finds the rest in L2). */
 static inline void few_rows(const split_x *xs, const slotserve_amx_weight *w, const float *bias, float *out, long N,
                             long K, long p, const int rows, const int segments) {
     const long blocks = K / BLOCK;
-    const int pairs_per_segment = BLOCK / 2 / segments; /* k-pairs under one scale */
-    for (int t0 = 0; t0 < 2; t0 += TILES_AT_ONCE) {
-        vf acc[FEW][TILES_AT_ONCE][OUT_VECTORS], group[FEW][TILES_AT_ONCE][OUT_VECTORS];
+    const int quads = BLOCK / 4 / segments; /* k-quads under one scale */
+    const int vectors = 2 * OUT_VECTORS, fit = SUMS_AT_ONCE / (4 * rows);
+    const int at_once = fit < 1 ? 1 : fit > vectors ? vectors : fit;
+    for (int v0 = 0; v0 < vectors; v0 += at_once) {
+        vf acc[FEW][2 * OUT_VECTORS], group[FEW][2 * OUT_VECTORS];
         for (int m = 0; m < rows; m++)
-            for (int t = 0; t < TILES_AT_ONCE; t++)
-                for (int o = 0; o < OUT_VECTORS; o++) acc[m][t][o] = group[m][t][o] = splat(0.0f);
+            for (int v = 0; v < at_once; v++) acc[m][v] = group[m][v] = splat(0.0f);
         for (long b = 0; b < blocks; b++) {
-            const int8_t *q = (const int8_t *)w->values + (p * blocks + b) * 2 * TILE * BLOCK;
-            for (int i = 0; i < 2 * TILE * BLOCK; i += 64) __builtin_prefetch(q + FEW_AHEAD + i, 0, 2);
+            const uint8_t *q = (const uint8_t *)w->values + (p * blocks + b) * 2 * TILE * BLOCK;
+            if (v0 == 0)
+                for (int i = 0; i < 2 * TILE * BLOCK; i += 64) __builtin_prefetch(q + FEW_AHEAD + i, 0, 2);
             for (int seg = 0; seg < segments; seg++) {
-                vi hi[FEW][TILES_AT_ONCE][OUT_VECTORS][CHAINS], lo[FEW][TILES_AT_ONCE][OUT_VECTORS][CHAINS];
+                const int part = segments > 1 ? seg : 2; /* which of split_x's sums */
+                vi d[FEW][2 * OUT_VECTORS][4]; /* per digit (or per half of hi's, of lo's pairs) */
                 for (int m = 0; m < rows; m++)
-                    for (int t = 0; t < TILES_AT_ONCE; t++)
-                        for (int o = 0; o < OUT_VECTORS; o++)
-                            for (int c = 0; c < CHAINS; c++) hi[m][t][o][c] = lo[m][t][o][c] = (vi){0};
-                for (int kp0 = seg * pairs_per_segment; kp0 < (seg + 1) * pairs_per_segment; kp0 += CHAINS)
-#pragma GCC unroll 2
-                    for (int chain = 0; chain < CHAINS; chain++) {
-                        const int kp = kp0 + chain, c = rows == 1 ? chain : 0;
-                        for (int t = 0; t < TILES_AT_ONCE; t++)
-                            for (int o = 0; o < OUT_VECTORS; o++) {
-                                const vi wv = widen_pairs(q + (t0 + t) * TILE * BLOCK + kp * 2 * TILE + o * 2 * VW);
-                                for (int m = 0; m < rows; m++) {
-                                    const long k = b * BLOCK + 2 * kp;
-                                    hi[m][t][o][c] = dot_pairs(hi[m][t][o][c], wv, xs[m].hi + k);
-                                    lo[m][t][o][c] = dot_pairs(lo[m][t][o][c], wv, xs[m].lo + k);
-                                }
-                            }
+                    for (int v = 0; v < at_once; v++)
+                        for (int j = 0; j < 4; j++) d[m][v][j] = (vi){0};
+                for (int kq = seg * quads; kq < (seg + 1) * quads; kq++)
+                    for (int v = 0; v < at_once; v++) {
+                        const int t = (v0 + v) / OUT_VECTORS, o = (v0 + v) % OUT_VECTORS;
+                        const uint8_t *wq = q + t * TILE * BLOCK + kq * 4 * TILE + o * 4 * VW;
+                        const long k = b * BLOCK + 4 * kq;
+#if BYTE_DIGITS
+                        vi wv;
+                        memcpy(&wv, wq, sizeof wv);
+                        for (int m = 0; m < rows; m++)
+                            for (int j = 0; j < 4; j++)
+                                d[m][v][j] = dot_quads(d[m][v][j], wv, xs[m].digits + j * K + k);
+#else
+                        const vi wa = widen_quads(wq), wb = widen_quads(wq + 2 * VW);
+                        for (int m = 0; m < rows; m++) {
+                            d[m][v][0] = dot_pairs(d[m][v][0], wa, xs[m].hi + k);
+                            d[m][v][1] = dot_pairs(d[m][v][1], wb, xs[m].hi + k);
+                            d[m][v][2] = dot_pairs(d[m][v][2], wa, xs[m].lo + k);
+                            d[m][v][3] = dot_pairs(d[m][v][3], wb, xs[m].lo + k);
+                        }
+#endif
                     }
                 const long at = ((p * blocks + b) * segments + seg) * PAIR;
-                const int part = segments > 1 ? seg : 2; /* which of split_x's sums */
-                for (int t = 0; t < TILES_AT_ONCE; t++)
-                    for (int o = 0; o < OUT_VECTORS; o++) {
-                        const long col = at + (t0 + t) * TILE + o * VW; /* of the first output's scale */
-                        const vf scale = load(w->scales + col);
-                        for (int m = 0; m < rows; m++) {
-                            vi h = hi[m][t][o][0], l = lo[m][t][o][0];
-                            for (int ch = 1; ch < (rows == 1 ? CHAINS : 1); ch++)
-                                h += hi[m][t][o][ch], l += lo[m][t][o][ch];
-                            const vf s = fmadd(__builtin_convertvector(h, vf), splat(65536.0f),
-                                               __builtin_convertvector(l, vf));
-                            if (w->offsets) {
-                                const vf sum_x = splat(xs[m].sums[3 * b + part]);
-                                const vf r = fmadd(s, scale, load(w->offsets + col) * sum_x);
-                                group[m][t][o] = fmadd(r, splat(xs[m].unit[b]), group[m][t][o]);
-                            } else {
-                                group[m][t][o] = fmadd(s, scale * splat(xs[m].unit[b]), group[m][t][o]);
-                            }
+                for (int v = 0; v < at_once; v++) {
+                    const long col = at + (v0 + v) / OUT_VECTORS * TILE + (v0 + v) % OUT_VECTORS * VW;
+                    const vf scale = load(w->scales + col);
+                    for (int m = 0; m < rows; m++) {
+                        const int32_t *bias_of = xs[m].bias + 2 * (3 * b + part); /* 128 * the sums of hi, lo */
+#if BYTE_DIGITS
+                        const vi h = d[m][v][3] * 256 + d[m][v][2] - bias_of[0];
+                        const vi l = d[m][v][1] * 256 + d[m][v][0] - bias_of[1];
+#else
+                        const vi h = pair_sums(d[m][v][0], d[m][v][1]) - bias_of[0];
+                        const vi l = pair_sums(d[m][v][2], d[m][v][3]) - bias_of[1];
+#endif
+                        const vf s = fmadd(__builtin_convertvector(h, vf), splat((float)(1 << HALF_BITS)),
+                                           __builtin_convertvector(l, vf));
+                        if (w->offsets) {
+                            const vf sum_x = splat(xs[m].sums[3 * b + part]);
+                            const vf r = fmadd(s, scale, load(w->offsets + col) * sum_x);
+                            group[m][v] = fmadd(r, splat(xs[m].unit[b]), group[m][v]);
+                        } else {
+                            group[m][v] = fmadd(s, scale * splat(xs[m].unit[b]), group[m][v]);
                         }
                     }
+                }
             }
             if (b % GROUP_BLOCKS == GROUP_BLOCKS - 1 || b == blocks - 1)
                 for (int m = 0; m < rows; m++)
-                    for (int t = 0; t < TILES_AT_ONCE; t++)
-                        for (int o = 0; o < OUT_VECTORS; o++) {
-                            acc[m][t][o] += group[m][t][o];
-                            group[m][t][o] = splat(0.0f);
-                        }
+                    for (int v = 0; v < at_once; v++) {
+                        acc[m][v] += group[m][v];
+                        group[m][v] = splat(0.0f);
+                    }
         }
-        for (int t = 0; t < TILES_AT_ONCE; t++)
-            for (int o = 0; o < OUT_VECTORS; o++) {
-                const long n0 = p * PAIR + (t0 + t) * TILE + o * VW;
-                const long n = N - n0 < VW ? N - n0 : VW; /* outputs here */
-                for (int m = 0; m < rows && n > 0; m++)
-                    for (long i = 0; i < n; i++) out[m * N + n0 + i] = acc[m][t][o][i] + (bias ? bias[n0 + i] : 0.0f);
-            }
+        for (int v = 0; v < at_once; v++) {
+            const long n0 = p * PAIR + (v0 + v) / OUT_VECTORS * TILE + (v0 + v) % OUT_VECTORS * VW;
+            const long n = N - n0 < VW ? N - n0 : VW; /* outputs here */
+            for (int m = 0; m < rows && n > 0; m++)
+                for (long i = 0; i < n; i++) out[m * N + n0 + i] = acc[m][v][i] + (bias ? bias[n0 + i] : 0.0f);
+        }
     }
 }
 
 /* out = x @ w^T + bias for a narrow weight and at most FEW rows, where this beats AMX's fixed work per tile
-   of rows (a tile of 16 rows however few are real), and where there is no AMX. One thread's byte loads
-   alone keep too few lines in flight to stream DRAM: fetching each block FEW_AHEAD bytes ahead into L2
-   measured 1.6-1.7x on 1 row and 1.3x on 4 with the converting kernel (4-32 KB ahead alike; 8-64 KB alike
-   with this one). Guided: each thread streams long runs of
-   pairs first, then shrinking ones, so the thread held up (by the other tenants' memory traffic, say) is
+   of rows (a tile of 16 rows however few are real), and where there is no AMX. One thread's loads alone
+   keep too few lines in flight to stream DRAM: fetching each block FEW_AHEAD bytes ahead into L2 measured
+   1.8x on the default model's narrow linears (with 16-bit products; 8-64 KB ahead alike). x is split into
+   digits in the same parallel region: split first by the caller alone, a down projection's call (K = 4864)
+   took ~3 us longer. Guided: each thread streams long runs
+   of pairs first, then shrinking ones, so the thread held up (by the other tenants' memory traffic, say) is
    not waited for at the end: batch-1 decode steps 1.00-1.05x against a static split (median 1.01, steps
    interleaved); dynamic runs of 4-16 pairs 0.89-1.01x (each run's prefetches fall in the next pairs, which
    the other thread may take). A pair's bits are the same on any thread. Returns 0, or -1 without memory for
@@ -243,28 +313,43 @@ static inline void few_rows(const split_x *xs, const slotserve_amx_weight *w, co
 static int few_rows_gemm(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long M,
                          long N, long K, int threads) {
     const long pairs = (N + PAIR - 1) / PAIR, blocks = K / BLOCK;
-    /* each row's hi and lo halves, then its units and sums (4 floats a block): 4-byte aligned throughout */
-    int16_t *halves = malloc((size_t)(2 * M * K) * sizeof(int16_t) + (size_t)(4 * M * blocks) * sizeof(float));
-    if (!halves)
+    /* each row's digits (4 bytes a value), then its biases, units and sums (10 words a block) */
+    int8_t *rows = malloc((size_t)(4 * M * K) + (size_t)(10 * M * blocks) * sizeof(float));
+    if (!rows)
         return -1;
-    float *units = (float *)(halves + 2 * M * K), *sums = units + M * blocks;
+    int32_t *biases = (int32_t *)(rows + 4 * M * K);
+    float *units = (float *)(biases + 6 * M * blocks), *sums = units + M * blocks;
     split_x xs[FEW];
+    const int with_sums = w->offsets != NULL;
     for (long m = 0; m < M; m++) {
-        xs[m] = (split_x){halves + 2 * m * K, halves + (2 * m + 1) * K, units + m * blocks, sums + 3 * m * blocks};
-        split_row(x + m * K, K, xs[m], w->offsets != NULL);
+#if BYTE_DIGITS
+        xs[m].digits = rows + 4 * m * K;
+#else
+        xs[m].hi = (int16_t *)(rows + 4 * m * K);
+        xs[m].lo = xs[m].hi + K;
+#endif
+        xs[m].bias = biases + 6 * m * blocks;
+        xs[m].unit = units + m * blocks;
+        xs[m].sums = sums + 3 * m * blocks;
     }
-#pragma omp parallel for schedule(guided) num_threads(threads)
-    for (long p = 0; p < pairs; p++)
-        switch (M * 2 + w->halves) { /* constant row and segment counts: the accumulators stay in registers */
-        case 2: few_rows(xs, w, bias, out, N, K, p, 1, 1); break;
-        case 3: few_rows(xs, w, bias, out, N, K, p, 1, 2); break;
-        case 4: few_rows(xs, w, bias, out, N, K, p, 2, 1); break;
-        case 5: few_rows(xs, w, bias, out, N, K, p, 2, 2); break;
-        case 6: few_rows(xs, w, bias, out, N, K, p, 3, 1); break;
-        case 7: few_rows(xs, w, bias, out, N, K, p, 3, 2); break;
-        case 8: few_rows(xs, w, bias, out, N, K, p, FEW, 1); break;
-        default: few_rows(xs, w, bias, out, N, K, p, FEW, 2);
-        }
-    free(halves);
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (long i = 0; i < M * blocks; i++)
+            split_block(x + i / blocks * K, K, i % blocks, xs[i / blocks], with_sums);
+#pragma omp for schedule(guided)
+        for (long p = 0; p < pairs; p++)
+            switch (M * 2 + w->halves) { /* constant row and segment counts: the accumulators stay in registers */
+            case 2: few_rows(xs, w, bias, out, N, K, p, 1, 1); break;
+            case 3: few_rows(xs, w, bias, out, N, K, p, 1, 2); break;
+            case 4: few_rows(xs, w, bias, out, N, K, p, 2, 1); break;
+            case 5: few_rows(xs, w, bias, out, N, K, p, 2, 2); break;
+            case 6: few_rows(xs, w, bias, out, N, K, p, 3, 1); break;
+            case 7: few_rows(xs, w, bias, out, N, K, p, 3, 2); break;
+            case 8: few_rows(xs, w, bias, out, N, K, p, FEW, 1); break;
+            default: few_rows(xs, w, bias, out, N, K, p, FEW, 2);
+            }
+    }
+    free(rows);
     return 0;
 }
