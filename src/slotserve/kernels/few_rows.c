@@ -229,15 +229,16 @@ static inline void few_rows(const split_x *xs, const slotserve_amx_weight *w, co
             for (int v = 0; v < at_once; v++) acc[m][v] = group[m][v] = splat(0.0f);
         for (long b = 0; b < blocks; b++) {
             const uint8_t *q = (const uint8_t *)w->values + (p * blocks + b) * 2 * TILE * BLOCK;
-            if (v0 == 0)
-                for (int i = 0; i < 2 * TILE * BLOCK; i += 64) __builtin_prefetch(q + FEW_AHEAD + i, 0, 2);
             for (int seg = 0; seg < segments; seg++) {
                 const int part = segments > 1 ? seg : 2; /* which of split_x's sums */
                 vi d[FEW][2 * OUT_VECTORS][4]; /* per digit (or per half of hi's, of lo's pairs) */
                 for (int m = 0; m < rows; m++)
                     for (int v = 0; v < at_once; v++)
                         for (int j = 0; j < 4; j++) d[m][v][j] = (vi){0};
-                for (int kq = seg * quads; kq < (seg + 1) * quads; kq++)
+                for (int kq = seg * quads; kq < (seg + 1) * quads; kq++) {
+                    if (v0 == 0) /* this quad's line of each tile, FEW_AHEAD on */
+                        for (int t = 0; t < 2; t++)
+                            __builtin_prefetch(q + FEW_AHEAD + t * TILE * BLOCK + kq * 4 * TILE, 0, 2);
                     for (int v = 0; v < at_once; v++) {
                         const int t = (v0 + v) / OUT_VECTORS, o = (v0 + v) % OUT_VECTORS;
                         const uint8_t *wq = q + t * TILE * BLOCK + kq * 4 * TILE + o * 4 * VW;
@@ -258,6 +259,7 @@ static inline void few_rows(const split_x *xs, const slotserve_amx_weight *w, co
                         }
 #endif
                     }
+                }
                 const long at = ((p * blocks + b) * segments + seg) * PAIR;
                 for (int v = 0; v < at_once; v++) {
                     const long col = at + (v0 + v) / OUT_VECTORS * TILE + (v0 + v) % OUT_VECTORS * VW;
@@ -302,7 +304,8 @@ static inline void few_rows(const split_x *xs, const slotserve_amx_weight *w, co
 /* out = x @ w^T + bias for a narrow weight and at most FEW rows, where this beats AMX's fixed work per tile
    of rows (a tile of 16 rows however few are real), and where there is no AMX. One thread's loads alone
    keep too few lines in flight to stream DRAM: fetching each block FEW_AHEAD bytes ahead into L2 measured
-   1.8x on the default model's narrow linears (with 16-bit products; 8-64 KB ahead alike). x is split into
+   1.8x on the default model's narrow linears (with 16-bit products; 8-64 KB ahead alike), and a line at a
+   time beside the loads, not a block's 16 lines at its start, 1.01-1.06x more. x is split into
    digits in the same parallel region: split first by the caller alone, a down projection's call (K = 4864)
    took ~3 us longer. Guided: each thread streams long runs
    of pairs first, then shrinking ones, so the thread held up (by the other tenants' memory traffic, say) is
