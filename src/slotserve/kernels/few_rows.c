@@ -216,9 +216,12 @@ static inline vi pair_sums(vi a, vi b) {
 #endif
 
 /* The rows of x (split: xs) against pair p of a narrow weight: its 2 * OUT_VECTORS output vectors, at_once of
-   them a pass over the blocks (a pass reads their share of each cache line; the next finds the rest in L2). */
-static inline void few_rows(const split_x *xs, const slotserve_amx_weight *w, const float *bias, float *out, long N,
-                            long K, long p, const int rows, const int segments) {
+   them a pass over the blocks (a pass reads their share of each cache line; the next finds the rest in L2).
+   Inlined into each case of few_rows_gemm's switch, so that its row and segment counts are constants: GCC left
+   the segments a variable otherwise (its loops' bounds a division at run time), 1.01-1.02x slower. */
+static inline __attribute__((always_inline)) void few_rows(const split_x *xs, const slotserve_amx_weight *w,
+                                                            const float *bias, float *out, long N, long K, long p,
+                                                            const int rows, const int segments) {
     const long blocks = K / BLOCK;
     const int quads = BLOCK / 4 / segments; /* k-quads under one scale */
     const int vectors = 2 * OUT_VECTORS, fit = SUMS_AT_ONCE / (4 * rows);
