@@ -51,7 +51,7 @@
 
 /* A packed weight (slotserve_amx_pack's buffers); offsets NULL where the blocks have none. */
 typedef struct {
-    const void *values; /* bfloat16 bits (uint16), or int8 where `narrow` */
+    const void *values; /* bfloat16 bits (uint16), or where `narrow` int8 values plus 128 (uint8, in k-quads) */
     const float *scales, *offsets;
     int narrow;
     int halves; /* each block's two halves of 16 have their own scale (and offset): GGUF's Q6_K; few rows only */
@@ -252,10 +252,11 @@ static int integer_fit(float *v, int len, float *scale) {
 }
 
 /* Packs w [N][K] (K a multiple of BLOCK) as w = scale * v (+ offset) per block, or per half block where
-   `halves` (int8 only: few_rows reads them), v bfloat16 (int8 where `narrow`), into `values` (pairs * K * PAIR
-   of them), `scales` and, where `offsets` is not NULL, `offsets` (float, pairs * K / BLOCK * PAIR each, twice
-   that with halves: [pair][block][half][PAIR]), pairs = ceil(N / PAIR). Returns 0; -1 where some block has
-   no such form, -2 where all have but some not in int8 (nothing usable is left in the buffers then). */
+   `halves` (int8 only: few_rows reads them), v bfloat16 (int8 where `narrow`, stored as v + 128 in k-quads),
+   into `values` (pairs * K * PAIR of them), `scales` and, where `offsets` is not NULL, `offsets` (float,
+   pairs * K / BLOCK * PAIR each, twice that with halves: [pair][block][half][PAIR]), pairs = ceil(N / PAIR).
+   Returns 0; -1 where some block has no such form, -2 where all have but some not in int8 (nothing usable is
+   left in the buffers then). */
 int slotserve_amx_pack(const float *w, long N, long K, float *offsets, void *values, float *scales, int narrow,
                        int halves, int threads) {
     if (K % BLOCK || (halves && !narrow))
