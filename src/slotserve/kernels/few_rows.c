@@ -9,7 +9,7 @@
    products they replace cost two widenings and four `vpdpwssd` a line: 1.02-1.05x the stream rate of all the
    default model's narrow linears from DRAM (0.82-0.83 of the read rate against 0.78-0.81; 2-vCPU Xeon,
    processes alternated), batch-1 decode steps 1.00-1.05x. The same loop with loads alone and no products
-   made 0.87-0.89, with one byte product a line 0.88-0.92.
+   made 0.87-0.90, with one byte product a line 0.87-0.92.
 
    - Each row's x is written, per block of 32, as integers times a power of two, X = x * 2^q, q the largest
      that keeps every |X| within 2^X_BITS: exact where the block's values lie within 5 binary orders of its
