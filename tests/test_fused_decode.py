@@ -12,7 +12,6 @@ from torch import nn
 
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
 from slotserve.kernels import decode_layers
-from slotserve.layers.attention import AttentionMetadata
 from slotserve.layers.linear import Linear
 from slotserve.layers.quantization import quantize_int8
 from slotserve.models.fused_decode import FusedDecode
@@ -46,7 +45,7 @@ def _scattered_tables(lengths: list[int], rng: random.Random) -> list[list[int]]
 def _count_fused_steps(monkeypatch) -> list[int]:
     """Counts the steps FusedDecode runs (and still runs them)."""
     calls, run = [], FusedDecode.__call__
-    monkeypatch.setattr(FusedDecode, "__call__", lambda self, *a: calls.append(1) or run(self, *a))
+    monkeypatch.setattr(FusedDecode, "__call__", lambda self, *a, **k: calls.append(1) or run(self, *a, **k))
     return calls
 
 
@@ -122,22 +121,40 @@ def test_replaced_weights_are_rebound(tiny_qwen2):
     assert torch.equal(a[0], b[0])
 
 
-def test_a_slot_outside_the_cache_is_refused_before_any_write(tiny_qwen2):
+@pytest.mark.parametrize("table, position", [([48], 3), ([-1], 3), ([0], 4), ([0], -1)])
+def test_a_block_or_position_outside_the_cache_is_refused_before_any_write(tiny_qwen2, table, position):
     fused, _ = _runners(tiny_qwen2)
     fused.execute([ScheduledSeq([5, 6, 7], 0, [0])])
     before = fused.k_cache.clone()
-    meta = AttentionMetadata.build([1], [4], torch.tensor([48 * BLOCK]), [[0]], BLOCK, decode_mode="paged")
-    with pytest.raises(ValueError, match="slot"), torch.inference_mode():
-        fused.fused(torch.tensor([8]), torch.tensor([3]), meta)
+    with pytest.raises(ValueError, match=r"block id|position"), torch.inference_mode():
+        fused.fused([8], [position], [table], BLOCK)
     assert torch.equal(fused.k_cache, before)
 
 
-@pytest.mark.parametrize("token, position", [(-1, 3), (10**9, 3), (8, -1), (8, 10**9)])
-def test_a_token_or_position_outside_its_table_is_refused_before_any_write(tiny_qwen2, token, position):
+@pytest.mark.parametrize("token", [-1, 10**9])
+def test_a_token_outside_the_vocabulary_is_refused_before_any_write(tiny_qwen2, token):
     fused, _ = _runners(tiny_qwen2)
     fused.execute([ScheduledSeq([5, 6, 7], 0, [0])])
     before = fused.k_cache.clone()
-    meta = AttentionMetadata.build([1], [4], torch.tensor([3]), [[0]], BLOCK, decode_mode="paged")
-    with pytest.raises(ValueError, match="token id or a position"), torch.inference_mode():
-        fused.fused(torch.tensor([token]), torch.tensor([position]), meta)
+    with pytest.raises(ValueError, match="token id"), torch.inference_mode():
+        fused.fused([token], [3], [[0]], BLOCK)
     assert torch.equal(fused.k_cache, before)
+
+
+def test_rows_asking_for_hidden_states_or_nothing_match_the_layer_path(tiny_qwen2):
+    fused, layers = _runners(tiny_qwen2)
+    tables, starts = [[3, 1], [0, 4], [2, 5]], [3, 2, 0]
+    for runner in (fused, layers):
+        runner.execute([ScheduledSeq([5, 6, 7], 0, tables[0]), ScheduledSeq([8, 9], 0, tables[1])])
+    for modes in (["hidden", "last", "none"], ["none", "none", "none"], ["hidden", "hidden", "hidden"]):
+        seqs = [ScheduledSeq([10 + i], start, table, logits=mode)
+                for i, (start, table, mode) in enumerate(zip(starts, tables, modes, strict=True))]
+        a, b = fused.execute(seqs), layers.execute(seqs)
+        assert [x is None for x in a] == [mode == "none" for mode in modes]
+        assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a, b, strict=True))
+        starts = [n + 1 for n in starts]
+    # A hidden state handed out is the caller's: the next step does not overwrite it.
+    first = fused.execute([ScheduledSeq([20], starts[0], tables[0], logits="hidden")])[0]
+    kept = first.clone()
+    fused.execute([ScheduledSeq([21], starts[0] + 1, tables[0], logits="hidden")])
+    assert torch.equal(first, kept)

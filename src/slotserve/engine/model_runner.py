@@ -20,7 +20,7 @@ from slotserve.layers.attention import (
     paged_decode_available,
 )
 from slotserve.layers.linear import Linear
-from slotserve.models.fused_decode import FusedDecode
+from slotserve.models.fused_decode import MAX_TOKENS, FusedDecode
 from slotserve.models.loader import available_memory
 
 log = logging.getLogger(__name__)
@@ -97,17 +97,42 @@ class ModelRunner:
         elem = torch.empty(0, dtype=dtype).element_size()
         return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
 
-    def _fused_for(self, meta: AttentionMetadata, tokens: int) -> FusedDecode | None:
-        if self.fused is None or not self.fused.applies(meta, tokens):
-            return None
-        if not self.fused.current():
-            self.fused = FusedDecode.bind(self.model)
-        return self.fused
-
-    @torch.inference_mode()
     def execute(self, seqs: list[ScheduledSeq]) -> list[torch.Tensor | None]:
         """Runs one forward over all sequences' new tokens; per sequence, float32 logits [rows, vocab]
         (or, for "hidden", its last final hidden state [1, hidden_size])."""
+        if (out := self._decode(seqs)) is not None:
+            return out
+        return self._forward(seqs)
+
+    def _decode(self, seqs: list[ScheduledSeq]) -> list[torch.Tensor | None] | None:
+        """`execute` of a step whose every sequence computes one token, through the fused kernel (rebound first
+        where the model's layers were replaced); None where the step is not one for it. At batch 1 every torch
+        op costs ~0.1 ms here, run after the weight stream has flushed the caches, so this path has ~none."""
+        if self.fused is None or not 0 < len(seqs) <= MAX_TOKENS or any(len(s.token_ids) != 1 for s in seqs):
+            return None
+        block_size = self.block_size
+        for seq in seqs:
+            if seq.start_pos >= len(seq.block_table) * block_size:
+                raise KVCacheFullError(f"block table of {len(seq.block_table)} blocks cannot hold "
+                                       f"{seq.start_pos + 1} tokens")
+        if not self.fused.current():
+            self.fused = FusedDecode.bind(self.model)
+        wanted = [s.logits in ("last", "all") for s in seqs]
+        hidden, logits = self.fused([s.token_ids[0] for s in seqs], [s.start_pos for s in seqs],
+                                    [s.block_table for s in seqs], block_size, logits=any(wanted))
+        if logits is None and any(wanted):
+            with torch.inference_mode():
+                logits = self.model.compute_logits(hidden[:len(seqs)])
+        if len(seqs) == 1:
+            return [logits if wanted[0] else hidden[:1].clone() if seqs[0].logits == "hidden" else None]
+        if all(wanted):
+            return list(logits.split(1))
+        return [logits[i:i + 1] if want else hidden[i:i + 1].clone() if s.logits == "hidden" else None
+                for i, (s, want) in enumerate(zip(seqs, wanted, strict=True))]
+
+    @torch.inference_mode()
+    def _forward(self, seqs: list[ScheduledSeq]) -> list[torch.Tensor | None]:
+        """`execute` layer by layer."""
         input_ids, positions, slots, rows = [], [], [], []
         for seq in seqs:
             n, end = len(seq.token_ids), seq.start_pos + len(seq.token_ids)
@@ -139,11 +164,7 @@ class ModelRunner:
         # Only the rows asked for leave the model (row j of `hidden` is token needed[j]).
         needed = [i for r in rows for i in r]
         keep = as_tensor(needed) if len(needed) < len(input_ids) else None
-        if (fused := self._fused_for(meta, len(input_ids))) is not None:
-            hidden = fused(as_tensor(input_ids), as_tensor(positions), meta)
-            hidden = hidden if keep is None else hidden[keep]
-        else:
-            hidden = self.model(as_tensor(input_ids), as_tensor(positions), meta, keep)
+        hidden = self.model(as_tensor(input_ids), as_tensor(positions), meta, keep)
         starts = list(itertools.accumulate((len(r) for r in rows), initial=0))[:-1]  # of each row range in needed
         wanted = [j for seq, start, r in zip(seqs, starts, rows, strict=True) if seq.logits != "hidden"
                   for j in range(start, start + len(r))]

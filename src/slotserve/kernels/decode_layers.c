@@ -13,7 +13,8 @@
      attn = decode_attention(q, cache);  x = attn @ Wo^T
      normed = rms_norm(residual += x);  x = down(silu(gate) * up)
    Around them: x = embedding[ids] first (with each row's rotary tables looked up by position), and the
-   final norm last, so x comes back as the model's final hidden states. */
+   final norm last, so x comes back as the model's final hidden states; and where the step asks, the output
+   head after it: its logits. */
 
 #include "amx_gemm.c"
 #include "decode_attention.c"
@@ -44,6 +45,11 @@ typedef struct {
     long seqs, table_width, block_size;
     float *scratch;
     int threads;
+    /* The output head, where the step computes logits ([tokens][head_rows]; NULL: none). */
+    const float *head, *head_bias;
+    slotserve_amx_weight head_amx;
+    long head_rows;
+    float *logits;
 } slotserve_decode_step;
 
 /* out = in @ w^T + bias through the packed weight where it is packed and takes the step's rows (as
@@ -117,5 +123,6 @@ int slotserve_decode_layers(const slotserve_layer *layers, long num_layers, cons
     }
     /* Row by row the residual add reads all of x's row before the norm writes it: in place is safe. */
     slotserve_rms_norm(x, residual, s->final_norm, x, T, H, s->eps, threads);
+    if (s->logits && linear(x, s->head, s->head_amx, s->head_bias, s->logits, T, s->head_rows, H, s)) return -1;
     return 0;
 }

@@ -26,7 +26,7 @@ class Layer(ctypes.Structure):
 
 class Step(ctypes.Structure):
     """One decode step: shapes, the rows' token ids, positions and cache slots, the embedding, rotary tables
-    and final norm, the attention's paged tables."""
+    and final norm, the attention's paged tables; the output head and where its logits go (NULL: none)."""
 
     _fields_ = ([(name, ctypes.c_long) for name in ("tokens", "hidden", "intermediate", "heads", "kv_heads",
                                                    "head_dim", "num_slots", "vocab", "max_position")]
@@ -34,7 +34,9 @@ class Step(ctypes.Structure):
                 + [(name, ctypes.c_void_p) for name in ("ids", "positions", "slots", "embedding", "cos_table",
                                                         "sin_table", "final_norm", "rows", "block_tables", "lens")]
                 + [(name, ctypes.c_long) for name in ("seqs", "table_width", "block_size")]
-                + [("scratch", ctypes.c_void_p), ("threads", ctypes.c_int)])
+                + [("scratch", ctypes.c_void_p), ("threads", ctypes.c_int)]
+                + [("head", ctypes.c_void_p), ("head_bias", ctypes.c_void_p), ("head_amx", Packing),
+                   ("head_rows", ctypes.c_long), ("logits", ctypes.c_void_p)])
 
 
 def available() -> bool:
@@ -49,7 +51,8 @@ def scratch_floats(tokens: int, hidden: int, intermediate: int, heads: int, kv_h
 
 def decode_layers(layers: ctypes.Array, step: Step, x: int, residual: int) -> None:
     """Embeds the step's tokens into x (data pointer, [tokens, hidden]), runs every layer with residual
-    ([tokens, hidden]) as the residual stream, and leaves the final norm's output in x."""
+    ([tokens, hidden]) as the residual stream, leaves the final norm's output in x and, where the step has
+    a head and a logits pointer, x's logits there."""
     run = native.require(native.function(SOURCE, "slotserve_decode_layers", _ARGS), SOURCE)
     status = run(ctypes.addressof(layers), len(layers), ctypes.addressof(step), x, residual)
     if status == -2:

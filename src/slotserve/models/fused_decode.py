@@ -14,6 +14,7 @@ outside the CPU or not float32) keep the layer-by-layer path.
 
 from __future__ import annotations
 
+import array
 import itertools
 import operator
 
@@ -22,8 +23,6 @@ from torch import nn
 
 from slotserve.kernels import decode_layers
 from slotserve.kernels.amx_gemm import AmxWeight, Packing
-from slotserve.kernels.decode_attention import PagedTables
-from slotserve.layers.attention import AttentionMetadata
 from slotserve.layers.linear import NATIVE_ROWS, Linear
 from slotserve.models.qwen2 import QwenDecoderLayer, QwenMLP, QwenModel
 
@@ -87,16 +86,29 @@ def _runnable(layer: QwenDecoderLayer) -> bool:
         for t in _layer_tensors(layer))
 
 
-class FusedDecode:
-    """The decode steps of one bound model. Built by `bind`; `applies` says whether a step can run here."""
+def _head(model: nn.Module) -> Linear | None:
+    """The model's output head (`lm_head`, whose output its compute_logits gives) where the kernel can run it."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, Linear):
+        return None
+    return head if all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous())
+                       for t in (head.weight, head.bias)) else None
 
-    def __init__(self, model: QwenModel, tensors: list[list[torch.Tensor | None]],
-                 amx: list[list[AmxWeight | None]]) -> None:
+
+class FusedDecode:
+    """The decode steps of one bound model. Built by `bind`."""
+
+    def __init__(self, outer: nn.Module, tensors: list[list[torch.Tensor | None]],
+                 amx: list[list[AmxWeight | None]], head: Linear | None) -> None:
+        model: QwenModel = outer.model
         self.model = model
         # Held as well as pointed to (the kernel reads raw pointers), and compared on every step: a layer
         # whose weights, packings or caches were replaced since (a reload, a quantization) rebinds.
         self.tensors, self.amx = tensors, amx
-        lookups = [e for root, path in [(model, "embed_tokens.weight"), (model, "norm.weight"),
+        self.head, self.head_amx = head, None if head is None else head.current_amx()
+        head_reads = ("lm_head.weight", "lm_head.bias", "lm_head.amx") if head is not None else ("lm_head",)
+        lookups = [e for root, path in [(outer, "model"), *((outer, p) for p in head_reads),
+                                         (model, "embed_tokens.weight"), (model, "norm.weight"),
                                          *((model, f"layers.{i}") for i in range(len(model.layers))),
                                          *((layer, p) for layer in model.layers for p in _READS)]
                    for e in _lookups(root, path)]
@@ -108,18 +120,32 @@ class FusedDecode:
                                 *(Packing() if a is None else a.packing for a in packed))
             for ts, packed in zip(tensors, amx, strict=True)))
         first = model.layers[0].self_attn
-        self.heads, self.kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
-        self.hidden = model.norm.weight.shape[0]
-        self.intermediate = model.layers[0].mlp.down_proj.in_features
-        self.eps, self.scale = model.layers[0].input_layernorm.eps, first.attn.scale
-        self.num_slots = first.attn.k_cache.shape[0]
-        self.scratch = torch.empty(decode_layers.scratch_floats(
-            MAX_TOKENS, self.hidden, self.intermediate, self.heads, self.kv_heads, self.head_dim))
+        hidden, self.num_slots = model.norm.weight.shape[0], first.attn.k_cache.shape[0]
+        self.hidden, intermediate = hidden, model.layers[0].mlp.down_proj.in_features
+        heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        self.cos, self.sin = model.rotary.tables(self.embedding.device)
+        self.scratch = torch.empty(decode_layers.scratch_floats(MAX_TOKENS, hidden, intermediate, heads, kv_heads,
+                                                                head_dim))
+        # Each step's final hidden states land in x: valid until the next step.
+        self.x, self.residual = torch.empty(MAX_TOKENS, hidden), torch.empty(MAX_TOKENS, hidden)
+        self.x_at, self.residual_at = self.x.data_ptr(), self.residual.data_ptr()
+        # The step's shapes and tensors; each call fills in its rows' integers and where the logits go.
+        self.step = decode_layers.Step(
+            hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+            num_slots=self.num_slots, vocab=self.embedding.shape[0], max_position=self.cos.shape[0],
+            eps=model.layers[0].input_layernorm.eps, scale=first.attn.scale, embedding=self.embedding.data_ptr(),
+            cos_table=self.cos.data_ptr(), sin_table=self.sin.data_ptr(), final_norm=self.final_norm.data_ptr(),
+            scratch=self.scratch.data_ptr())
+        if head is not None:
+            self.step.head, self.step.head_rows = head.weight.data_ptr(), head.out_features
+            self.step.head_bias = None if head.bias is None else head.bias.data_ptr()
+            self.step.head_amx = Packing() if self.head_amx is None else self.head_amx.packing
 
     @classmethod
     def bind(cls, model: nn.Module) -> FusedDecode | None:
         """For a dense Qwen model (Qwen2ForCausalLM and kin: `model.model` a QwenModel) whose layers the
-        kernel can run, with the KV caches attached; None otherwise."""
+        kernel can run, with the KV caches attached; None otherwise. Its output head runs in the same call
+        where the kernel can run it (`_head`)."""
         inner = getattr(model, "model", None)
         if not isinstance(inner, QwenModel) or not inner.layers or not decode_layers.available():
             return None
@@ -128,31 +154,42 @@ class FusedDecode:
                 for t in (inner.embed_tokens.weight, inner.norm.weight)):
             return None
         layers = inner.layers
-        return cls(inner, [_layer_tensors(layer) for layer in layers], [_layer_amx(layer) for layer in layers])
+        return cls(model, [_layer_tensors(layer) for layer in layers], [_layer_amx(layer) for layer in layers],
+                   _head(model))
 
     def current(self) -> bool:
         """Whether the model still holds the layers, tensors and packings bound: every attribute the binding
         read still holds the same object (identity only, iterated in C: a step's worth of checking)."""
         return all(map(operator.is_, map(dict.get, self.dicts, self.keys, itertools.repeat(_ABSENT)), self.held))
 
-    def applies(self, meta: AttentionMetadata, tokens: int) -> bool:
-        """Whether this step is one the kernel runs: decode rows only, all read by the paged kernel."""
-        return (isinstance(meta.decode, PagedTables) and 0 < tokens <= MAX_TOKENS
-                and all(c is None for c in meta.context) and not torch.is_grad_enabled())
-
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The final hidden states [tokens, hidden] of a step `applies` accepted."""
-        tables, tokens = meta.decode, len(input_ids)
-        tables.check(self.num_slots // meta.block_size, tokens)
-        cos, sin = self.model.rotary.tables(input_ids.device)
-        ids, positions = input_ids.long().contiguous(), positions.long().contiguous()  # the kernel reads int64
-        slots = meta.slot_mapping.contiguous()
-        x, residual = (torch.empty(tokens, self.hidden, dtype=torch.float32) for _ in range(2))
-        step = decode_layers.Step(
-            tokens, self.hidden, self.intermediate, self.heads, self.kv_heads, self.head_dim, self.num_slots,
-            self.embedding.shape[0], cos.shape[0], self.eps, self.scale, ids.data_ptr(), positions.data_ptr(),
-            slots.data_ptr(), self.embedding.data_ptr(), cos.data_ptr(), sin.data_ptr(), self.final_norm.data_ptr(),
-            tables.rows.data_ptr(), tables.block_tables.data_ptr(), tables.lens.data_ptr(), tables.rows.shape[0],
-            tables.block_tables.shape[1], meta.block_size, self.scratch.data_ptr(), torch.get_num_threads())
-        decode_layers.decode_layers(self.layers, step, x.data_ptr(), residual.data_ptr())
-        return x
+    def __call__(self, ids: list[int], positions: list[int], tables: list[list[int]], block_size: int,
+                 logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The final hidden states of a decode step (rows :tokens of a buffer the next step overwrites) and,
+        where `logits` asks and the head is bound, their logits [tokens, vocab] (else None). Row i is token
+        ids[i] at positions[i] of the sequence whose cache blocks are tables[i] (each covering its position),
+        its key and value written to that position's slot. At most MAX_TOKENS rows."""
+        tokens = len(ids)
+        if not 0 < tokens <= MAX_TOKENS or len(positions) != tokens or len(tables) != tokens:
+            raise ValueError(f"fused decode: {tokens} ids, {len(positions)} positions and {len(tables)} tables "
+                             f"for a step of 1..{MAX_TOKENS} rows")
+        # The step's integers go to the kernel from two C arrays, built straight from the lists: at batch 1
+        # the tensors, tables and metadata of the layer-by-layer path cost ~0.5 ms of a ~25 ms step here.
+        if min(positions) < 0 or any(p >= len(t) * block_size for p, t in zip(positions, tables, strict=True)):
+            raise ValueError("fused decode: a position is negative or past its block table")
+        width = max(positions) // block_size + 1
+        flat = array.array("i", itertools.chain.from_iterable(t[:width] + [0] * (width - len(t)) for t in tables))
+        if min(flat) < 0 or max(flat) >= self.num_slots // block_size:
+            raise ValueError("fused decode: a block id is out of range for the KV cache")
+        slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions, strict=True)]
+        longs = array.array("q", itertools.chain(ids, positions, slots, range(tokens)))
+        ints = array.array("i", itertools.chain((p + 1 for p in positions), flat))
+        at, int_at = longs.buffer_info()[0], ints.buffer_info()[0]
+        step = self.step
+        step.tokens = step.seqs = tokens
+        step.ids, step.positions, step.slots, step.rows = (at + 8 * tokens * i for i in range(4))
+        step.lens, step.block_tables = int_at, int_at + 4 * tokens
+        step.table_width, step.block_size, step.threads = width, block_size, torch.get_num_threads()
+        out = torch.empty(tokens, self.head.out_features) if logits and self.head is not None else None
+        step.logits = None if out is None else out.data_ptr()
+        decode_layers.decode_layers(self.layers, step, self.x_at, self.residual_at)
+        return self.x, out
