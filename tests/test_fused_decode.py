@@ -158,3 +158,24 @@ def test_rows_asking_for_hidden_states_or_nothing_match_the_layer_path(tiny_qwen
     kept = first.clone()
     fused.execute([ScheduledSeq([21], starts[0] + 1, tables[0], logits="hidden")])
     assert torch.equal(first, kept)
+
+
+def test_greedy_rows_get_the_argmax_of_their_logits(tiny_qwen2):
+    fused, layers = _runners(tiny_qwen2)
+    tables = [[3, 1], [0, 4], [2, 5]]
+    for runner in (fused, layers):
+        runner.execute([ScheduledSeq([5, 6, 7], 0, tables[0]), ScheduledSeq([8, 9], 0, tables[1]),
+                        ScheduledSeq([4], 0, tables[2])])
+    step = [([11], 3), ([12], 2), ([13], 1)]
+    logits = fused.execute([ScheduledSeq(ids, start, table) for (ids, start), table in zip(step, tables, strict=True)])
+    argmax = [int(row[0].argmax()) for row in logits]
+    for modes in (["greedy"] * 3, ["greedy", "last", "greedy"], ["none", "greedy", "hidden"]):
+        seqs = [ScheduledSeq(ids, start, table, logits=mode)
+                for (ids, start), table, mode in zip(step, tables, modes, strict=True)]  # the same step again
+        for runner in (fused, layers):
+            out = runner.execute(seqs)
+            assert [x for x, mode in zip(out, modes, strict=True) if mode == "greedy"] == [
+                a for a, mode in zip(argmax, modes, strict=True) if mode == "greedy"]
+            assert all(torch.equal(x, y) for x, y, mode in zip(out, logits, modes, strict=True) if mode == "last")
+    one = fused.execute([ScheduledSeq([11], 3, tables[0], logits="greedy")])  # a step of one row
+    assert one == argmax[:1]

@@ -303,3 +303,25 @@ def test_prompt_logprobs_over_several_chunks():
     assert len(out) == 600
     assert out[599][prompt[599]].logprob == pytest.approx(raw[598, prompt[599]].item())
     assert out[300][prompt[300]].logprob == pytest.approx(raw[299, prompt[300]].item())
+
+
+@pytest.mark.parametrize("kw, takes", [
+    ({"temperature": 0.0}, True),
+    ({"temperature": 1.0}, False),
+    ({"temperature": 0.0, "logprobs": 1}, False),
+    ({"temperature": 0.0, "logit_bias": {3: 1.0}}, False),
+    ({"temperature": 0.0, "repetition_penalty": 1.2}, False),
+    ({"temperature": 0.0, "presence_penalty": 0.5}, False),
+])
+def test_only_unprocessed_greedy_rows_take_the_raw_argmax(kw, takes):
+    """The runner may pick these rows' tokens itself (ScheduledSeq "greedy"): the sampler would take the
+    argmax of the logits as they come."""
+    assert state(**kw).takes_argmax() is takes
+
+
+def test_a_greedy_row_under_min_tokens_takes_the_argmax_once_eos_is_allowed():
+    s = state(temperature=0.0, min_tokens=2)
+    assert not s.takes_argmax()  # EOS is banned until then
+    s.append(5)
+    s.append(6)
+    assert s.takes_argmax()

@@ -31,7 +31,6 @@ from slotserve.engine.model_runner import ScheduledSeq
 from slotserve.kernels import native
 from slotserve.layers.linear import Linear
 from slotserve.layers.quantization import Int8Linear
-from slotserve.layers.sampler import greedy
 
 READ_BYTES = 1 << 30
 GEMM_SIZE = 2048
@@ -186,12 +185,12 @@ def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
         rounds = args.repeats
         table = blocks(16 + args.decode_steps * (rounds + 1) + 1)
         resident(engine, table)
-        tokens = [int(greedy(runner.execute([ScheduledSeq(ids(16), 0, table)])[0])[0])]
+        tokens = runner.execute([ScheduledSeq(ids(16), 0, table, logits="greedy")])
 
-        def decode_round() -> None:  # each token the argmax of the last, as the sampler's greedy rows take it
+        def decode_round() -> None:  # each token the argmax of the last, picked as the engine's greedy rows are
             for _ in range(args.decode_steps):
                 pos = 15 + len(tokens)
-                tokens.append(int(greedy(runner.execute([ScheduledSeq(tokens[-1:], pos, table)])[0])[0]))
+                tokens.extend(runner.execute([ScheduledSeq(tokens[-1:], pos, table, logits="greedy")]))
 
         read_s, decode_round_s = interleaved(read, decode_round, rounds)
         decode_s = decode_round_s / args.decode_steps

@@ -149,7 +149,8 @@ class EngineCore:
             start = req.num_computed_tokens
             last_chunk = start + num_new == req.num_tokens
             scores_prompt = req.prompt_logprobs is not None and len(req.prompt_logprobs) < len(req.prompt_token_ids)
-            wanted = "hidden" if req.pooling else "all" if scores_prompt else "last"
+            wanted = ("hidden" if req.pooling else "all" if scores_prompt
+                      else "greedy" if req.sampling.takes_argmax() else "last")
             seqs.append(ScheduledSeq(req.token_ids(start, start + num_new), start, req.block_table,
                                      logits=wanted if last_chunk or scores_prompt else "none"))
         results = self.runner.execute(seqs)
@@ -163,6 +164,8 @@ class EngineCore:
                 continue
             if req.pooling is not None:
                 outputs.append(self._pool(req, result[-1]))
+            elif seq.logits == "greedy":
+                outputs.append(self._append(req, result, None))
             else:
                 sampling.append((req, result[-1:]))
         if sampling:

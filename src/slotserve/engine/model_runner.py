@@ -20,10 +20,13 @@ from slotserve.layers.attention import (
     paged_decode_available,
 )
 from slotserve.layers.linear import Linear
+from slotserve.layers.sampler import greedy
 from slotserve.models.fused_decode import MAX_TOKENS, FusedDecode
 from slotserve.models.loader import available_memory
 
 log = logging.getLogger(__name__)
+
+LOGITS_MODES = ("last", "all", "greedy", "hidden", "none")
 
 
 @dataclass
@@ -33,13 +36,14 @@ class ScheduledSeq:
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
-    # "last": next-token logits only; "all": every new position's; "hidden": the last position's final
-    # hidden state (for pooling), no logits; "none"
+    # "last": next-token logits only; "all": every new position's; "greedy": the next token's argmax alone
+    # (an int, the first index among ties: what the sampler's greedy rows take when nothing processes the
+    # logits); "hidden": the last position's final hidden state (for pooling), no logits; "none"
     logits: str = "last"
 
     def __post_init__(self) -> None:
-        if self.logits not in ("last", "all", "hidden", "none"):
-            raise ValueError(f"logits: must be 'last', 'all', 'hidden' or 'none', got {self.logits!r}")
+        if self.logits not in LOGITS_MODES:
+            raise ValueError(f"logits: must be one of {LOGITS_MODES}, got {self.logits!r}")
 
 
 def _pack_linears(linears: list[Linear]) -> list[amx_gemm.AmxWeight]:
@@ -97,14 +101,14 @@ class ModelRunner:
         elem = torch.empty(0, dtype=dtype).element_size()
         return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
 
-    def execute(self, seqs: list[ScheduledSeq]) -> list[torch.Tensor | None]:
-        """Runs one forward over all sequences' new tokens; per sequence, float32 logits [rows, vocab]
-        (or, for "hidden", its last final hidden state [1, hidden_size])."""
+    def execute(self, seqs: list[ScheduledSeq]) -> list[torch.Tensor | int | None]:
+        """Runs one forward over all sequences' new tokens; per sequence, float32 logits [rows, vocab] (for
+        "greedy", the next token's id; for "hidden", its last final hidden state [1, hidden_size])."""
         if (out := self._decode(seqs)) is not None:
             return out
         return self._forward(seqs)
 
-    def _decode(self, seqs: list[ScheduledSeq]) -> list[torch.Tensor | None] | None:
+    def _decode(self, seqs: list[ScheduledSeq]) -> list[torch.Tensor | int | None] | None:
         """`execute` of a step whose every sequence computes one token, through the fused kernel (rebound first
         where the model's layers were replaced); None where the step is not one for it. At batch 1 every torch
         op costs ~0.1 ms here, run after the weight stream has flushed the caches, so this path has ~none."""
@@ -117,21 +121,21 @@ class ModelRunner:
                                        f"{seq.start_pos + 1} tokens")
         if not self.fused.current():
             self.fused = FusedDecode.bind(self.model)
-        wanted = [s.logits in ("last", "all") for s in seqs]
-        hidden, logits = self.fused([s.token_ids[0] for s in seqs], [s.start_pos for s in seqs],
-                                    [s.block_table for s in seqs], block_size, logits=any(wanted))
-        if logits is None and any(wanted):
+        modes = [s.logits for s in seqs]
+        wants_logits, wants_pick = "last" in modes or "all" in modes, "greedy" in modes
+        step = self.fused([s.token_ids[0] for s in seqs], [s.start_pos for s in seqs],
+                          [s.block_table for s in seqs], block_size, logits=wants_logits, argmax=wants_pick)
+        logits, picks = step.logits, step.argmax
+        if (wants_logits and logits is None) or (wants_pick and picks is None):  # no head bound
             with torch.inference_mode():
-                logits = self.model.compute_logits(hidden[:len(seqs)])
-        if len(seqs) == 1:
-            return [logits if wanted[0] else hidden[:1].clone() if seqs[0].logits == "hidden" else None]
-        if all(wanted):
-            return list(logits.split(1))
-        return [logits[i:i + 1] if want else hidden[i:i + 1].clone() if s.logits == "hidden" else None
-                for i, (s, want) in enumerate(zip(seqs, wanted, strict=True))]
+                logits = self.model.compute_logits(step.hidden[:len(seqs)])
+                picks = greedy(logits).tolist()
+        rows = None if logits is None else [logits] if len(seqs) == 1 else logits.split(1)
+        return [rows[i] if mode in ("last", "all") else picks[i] if mode == "greedy"
+                else step.hidden[i:i + 1].clone() if mode == "hidden" else None for i, mode in enumerate(modes)]
 
     @torch.inference_mode()
-    def _forward(self, seqs: list[ScheduledSeq]) -> list[torch.Tensor | None]:
+    def _forward(self, seqs: list[ScheduledSeq]) -> list[torch.Tensor | int | None]:
         """`execute` layer by layer."""
         input_ids, positions, slots, rows = [], [], [], []
         for seq in seqs:
@@ -144,7 +148,7 @@ class ModelRunner:
             for pos in range(seq.start_pos, end):
                 positions.append(pos)
                 slots.append(seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size)
-            if seq.logits in ("last", "hidden"):
+            if seq.logits in ("last", "greedy", "hidden"):
                 rows.append(range(base + n - 1, base + n))
             elif seq.logits == "all":
                 rows.append(range(base, base + n))
@@ -171,7 +175,7 @@ class ModelRunner:
         # wanted: increasing rows of hidden, so as many as it has are all of them, in order.
         chosen = hidden if len(wanted) == len(hidden) else hidden[as_tensor(wanted)]
         logits = self.model.compute_logits(chosen) if wanted else None
-        out: list[torch.Tensor | None] = []
+        out: list[torch.Tensor | int | None] = []
         offset = 0
         for seq, start, r in zip(seqs, starts, rows, strict=True):
             if seq.logits == "hidden":
@@ -179,4 +183,8 @@ class ModelRunner:
             else:
                 out.append(logits[offset:offset + len(r)] if len(r) else None)
                 offset += len(r)
+        picks = [i for i, seq in enumerate(seqs) if seq.logits == "greedy"]
+        if picks:
+            for i, token in zip(picks, greedy(torch.cat([out[i] for i in picks])).tolist(), strict=True):
+                out[i] = token
         return out

@@ -14,7 +14,7 @@
      normed = rms_norm(residual += x);  x = down(silu(gate) * up)
    Around them: x = embedding[ids] first (with each row's rotary tables looked up by position), and the
    final norm last, so x comes back as the model's final hidden states; and where the step asks, the output
-   head after it: its logits. */
+   head after it: its logits, and their argmax (a greedy pick) while they are still in the caches. */
 
 #include "amx_gemm.c"
 #include "decode_attention.c"
@@ -45,11 +45,13 @@ typedef struct {
     long seqs, table_width, block_size;
     float *scratch;
     int threads;
-    /* The output head, where the step computes logits ([tokens][head_rows]; NULL: none). */
+    /* The output head, where the step computes logits ([tokens][head_rows]; NULL: none), and each row's
+       argmax (torch's: the first index among equals; NULL: none). */
     const float *head, *head_bias;
     slotserve_amx_weight head_amx;
     long head_rows;
     float *logits;
+    long *argmax;
 } slotserve_decode_step;
 
 /* out = in @ w^T + bias through the packed weight where it is packed and takes the step's rows (as
@@ -123,6 +125,8 @@ int slotserve_decode_layers(const slotserve_layer *layers, long num_layers, cons
     }
     /* Row by row the residual add reads all of x's row before the norm writes it: in place is safe. */
     slotserve_rms_norm(x, residual, s->final_norm, x, T, H, s->eps, threads);
-    if (s->logits && linear(x, s->head, s->head_amx, s->head_bias, s->logits, T, s->head_rows, H, s)) return -1;
+    if (!s->logits) return 0;
+    if (linear(x, s->head, s->head_amx, s->head_bias, s->logits, T, s->head_rows, H, s)) return -1;
+    if (s->argmax) slotserve_argmax(s->logits, T, s->head_rows, s->argmax, threads);
     return 0;
 }

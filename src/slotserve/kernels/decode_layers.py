@@ -26,7 +26,8 @@ class Layer(ctypes.Structure):
 
 class Step(ctypes.Structure):
     """One decode step: shapes, the rows' token ids, positions and cache slots, the embedding, rotary tables
-    and final norm, the attention's paged tables; the output head and where its logits go (NULL: none)."""
+    and final norm, the attention's paged tables; the output head, where its logits go and their argmax
+    (NULL: none)."""
 
     _fields_ = ([(name, ctypes.c_long) for name in ("tokens", "hidden", "intermediate", "heads", "kv_heads",
                                                    "head_dim", "num_slots", "vocab", "max_position")]
@@ -36,7 +37,7 @@ class Step(ctypes.Structure):
                 + [(name, ctypes.c_long) for name in ("seqs", "table_width", "block_size")]
                 + [("scratch", ctypes.c_void_p), ("threads", ctypes.c_int)]
                 + [("head", ctypes.c_void_p), ("head_bias", ctypes.c_void_p), ("head_amx", Packing),
-                   ("head_rows", ctypes.c_long), ("logits", ctypes.c_void_p)])
+                   ("head_rows", ctypes.c_long), ("logits", ctypes.c_void_p), ("argmax", ctypes.c_void_p)])
 
 
 def available() -> bool:
@@ -52,7 +53,7 @@ def scratch_floats(tokens: int, hidden: int, intermediate: int, heads: int, kv_h
 def decode_layers(layers: ctypes.Array, step: Step, x: int, residual: int) -> None:
     """Embeds the step's tokens into x (data pointer, [tokens, hidden]), runs every layer with residual
     ([tokens, hidden]) as the residual stream, leaves the final norm's output in x and, where the step has
-    a head and a logits pointer, x's logits there."""
+    a head and a logits pointer, x's logits there (and, with an argmax pointer, each row's argmax)."""
     run = native.require(native.function(SOURCE, "slotserve_decode_layers", _ARGS), SOURCE)
     status = run(ctypes.addressof(layers), len(layers), ctypes.addressof(step), x, residual)
     if status == -2:

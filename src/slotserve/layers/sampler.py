@@ -88,6 +88,13 @@ class SamplingState:
             self.seen_ids[slot] = token_id
         self.seen_output_counts[slot] += 1
 
+    def takes_argmax(self) -> bool:
+        """Whether the next token is the raw logits' argmax, with no logprobs asked: a greedy request
+        that nothing processes (no penalty, bias or ban) at this step; the runner can pick it alone."""
+        params = self.params
+        return (params.greedy and params.logprobs is None and not params.logit_bias and self.seen_slots is None
+                and not self.banned_token_ids())
+
     def banned_token_ids(self) -> list[int]:
         """Tokens that may not be sampled at the next step: EOS and stop tokens until min_tokens.
 

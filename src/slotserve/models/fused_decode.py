@@ -17,6 +17,7 @@ from __future__ import annotations
 import array
 import itertools
 import operator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -86,6 +87,16 @@ def _runnable(layer: QwenDecoderLayer) -> bool:
         for t in _layer_tensors(layer))
 
 
+@dataclass
+class FusedStep:
+    """What a fused decode step gives: its rows' final hidden states (rows :tokens of a buffer the next step
+    overwrites), their logits [tokens, vocab] and their argmax, where asked (else None)."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor | None
+    argmax: list[int] | None
+
+
 def _head(model: nn.Module) -> Linear | None:
     """The model's output head (`lm_head`, whose output its compute_logits gives) where the kernel can run it."""
     head = getattr(model, "lm_head", None)
@@ -129,6 +140,9 @@ class FusedDecode:
         # Each step's final hidden states land in x: valid until the next step.
         self.x, self.residual = torch.empty(MAX_TOKENS, hidden), torch.empty(MAX_TOKENS, hidden)
         self.x_at, self.residual_at = self.x.data_ptr(), self.residual.data_ptr()
+        self.head_scratch = torch.empty(0)
+        self.argmax_ids = array.array("q", bytes(8 * MAX_TOKENS))
+        self.argmax_at = self.argmax_ids.buffer_info()[0]
         # The step's shapes and tensors; each call fills in its rows' integers and where the logits go.
         self.step = decode_layers.Step(
             hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
@@ -163,11 +177,11 @@ class FusedDecode:
         return all(map(operator.is_, map(dict.get, self.dicts, self.keys, itertools.repeat(_ABSENT)), self.held))
 
     def __call__(self, ids: list[int], positions: list[int], tables: list[list[int]], block_size: int,
-                 logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The final hidden states of a decode step (rows :tokens of a buffer the next step overwrites) and,
-        where `logits` asks and the head is bound, their logits [tokens, vocab] (else None). Row i is token
-        ids[i] at positions[i] of the sequence whose cache blocks are tables[i] (each covering its position),
-        its key and value written to that position's slot. At most MAX_TOKENS rows."""
+                 logits: bool = True, argmax: bool = False) -> FusedStep:
+        """A decode step (at most MAX_TOKENS rows): row i is token ids[i] at positions[i] of the sequence whose
+        cache blocks are tables[i] (each covering its position), its key and value written to that position's
+        slot. Where the head is bound, the step's logits where `logits` asks and their argmax where `argmax`
+        does (without logits, computed in a buffer of the fused step's own)."""
         tokens = len(ids)
         if not 0 < tokens <= MAX_TOKENS or len(positions) != tokens or len(tables) != tokens:
             raise ValueError(f"fused decode: {tokens} ids, {len(positions)} positions and {len(tables)} tables "
@@ -189,7 +203,17 @@ class FusedDecode:
         step.ids, step.positions, step.slots, step.rows = (at + 8 * tokens * i for i in range(4))
         step.lens, step.block_tables = int_at, int_at + 4 * tokens
         step.table_width, step.block_size, step.threads = width, block_size, torch.get_num_threads()
-        out = torch.empty(tokens, self.head.out_features) if logits and self.head is not None else None
-        step.logits = None if out is None else out.data_ptr()
+        out = picks = None
+        if self.head is not None and (logits or argmax):
+            if logits:
+                out = torch.empty(tokens, self.head.out_features)
+            elif self.head_scratch.shape[0] < tokens:
+                self.head_scratch = torch.empty(tokens, self.head.out_features)
+            step.logits = (self.head_scratch if out is None else out).data_ptr()
+            step.argmax = self.argmax_at if argmax else None
+        else:
+            step.logits = step.argmax = None
         decode_layers.decode_layers(self.layers, step, self.x_at, self.residual_at)
-        return self.x, out
+        if step.argmax:
+            picks = self.argmax_ids[:tokens].tolist()
+        return FusedStep(self.x, out, picks)
