@@ -121,6 +121,21 @@ def test_replaced_weights_are_rebound(tiny_qwen2):
     assert torch.equal(a[0], b[0])
 
 
+def test_a_replaced_packing_or_cache_rebinds_and_other_modules_do_not(tiny_qwen2):
+    fused, _ = _runners(tiny_qwen2)
+    fused.execute([ScheduledSeq([5, 6, 7], 0, [0, 1])])
+    bound = fused.fused
+    nn.Linear(2, 2).weight = nn.Parameter(torch.zeros(2, 2))  # a module of no model bound
+    fused.execute([ScheduledSeq([8], 3, [0, 1])])
+    assert fused.fused is bound
+    attn = fused.model.model.layers[1].self_attn
+    for change in (lambda: setattr(attn.o_proj, "amx", None), lambda: setattr(attn.attn, "k_cache", attn.attn.k_cache)):
+        change()
+        fused.execute([ScheduledSeq([9], 4, [0, 1])])
+        assert fused.fused is not bound
+        bound = fused.fused
+
+
 @pytest.mark.parametrize("table, position", [([48], 3), ([-1], 3), ([0], 4), ([0], -1)])
 def test_a_block_or_position_outside_the_cache_is_refused_before_any_write(tiny_qwen2, table, position):
     fused, _ = _runners(tiny_qwen2)

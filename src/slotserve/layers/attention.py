@@ -26,6 +26,7 @@ from torch import nn
 
 from slotserve.kernels import decode_attention
 from slotserve.kernels.decode_attention import PagedTables
+from slotserve.layers import changes
 
 DECODE_MODES = ("paged", "batched", "per_seq")
 # Every sequence is attended with its keys padded (and masked) to a multiple of this. torch's CPU
@@ -191,6 +192,11 @@ class Attention(nn.Module):
         self.gqa = num_heads != num_kv_heads
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in ("k_cache", "v_cache"):  # tensors kernels may point into (layers/changes.py)
+            changes.note(self)
+        super().__setattr__(name, value)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         self.k_cache.index_copy_(0, meta.slot_mapping, k)

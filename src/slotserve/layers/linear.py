@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from slotserve.kernels import amx_gemm, native, small_gemm
+from slotserve.layers import changes
 
 NATIVE_ROWS = range(1, 65)
 TRANSPOSED_ROWS = range(16, 65)
@@ -56,6 +57,11 @@ ONEDNN = _onednn_linear()
 class Linear(nn.Linear):
     _gemm: small_gemm.BoundGemm | None = None  # the kernel bound to this layer's current weight and bias
     amx: amx_gemm.AmxWeight | None = None  # this layer's weight packed for AMX, where bind_amx could
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "amx":  # a packing kernels may point into (layers/changes.py)
+            changes.note(self)
+        super().__setattr__(name, value)
 
     def bind_amx(self) -> bool:
         """Packs this layer's weight and bias for the AMX GEMM where it can (amx_gemm.py); whether it did."""

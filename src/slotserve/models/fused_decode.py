@@ -6,17 +6,18 @@ token's time was ~10 Python-level calls per layer between them, each run in cach
 had flushed (2.5-5x its warm cost). kernels/decode_layers.c runs all the layers with the same kernels in
 the same order, so a row gets exactly the bits the layer-by-layer path gives it (a test checks).
 
-It takes a step only when every row is a decode row read through the paged kernel (`PagedTables`) and
-there are at most 64 rows (the small GEMM's); linears packed for AMX run there for the rows their packing
-runs (`AmxWeight.runs`), as in layers/linear.py. Models it cannot run (MoE layers, int8 linears, weights
-outside the CPU or not float32) keep the layer-by-layer path.
+It takes a step whose every sequence computes one token, at most 64 of them (the small GEMM's rows), given
+straight as lists: the layer path's tensors and attention metadata cost ~0.5 ms of a batch-1 step here. The
+output head runs in the same call where it can (`_head`), and so does each row's argmax where the runner
+asks (a greedy row's pick: ScheduledSeq "greedy"). Linears packed for AMX run there for the rows their
+packing runs (`AmxWeight.runs`), as in layers/linear.py. Models it cannot run (MoE layers, int8 linears,
+weights outside the CPU or not float32) keep the layer-by-layer path.
 """
 
 from __future__ import annotations
 
 import array
 import itertools
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ from torch import nn
 
 from slotserve.kernels import decode_layers
 from slotserve.kernels.amx_gemm import AmxWeight, Packing
+from slotserve.layers import changes
 from slotserve.layers.linear import NATIVE_ROWS, Linear
 from slotserve.models.qwen2 import QwenDecoderLayer, QwenMLP, QwenModel
 
@@ -43,33 +45,6 @@ def _layer_amx(layer: QwenDecoderLayer) -> list[AmxWeight | None]:
     """The AMX packings of the layer's qkv, o, gate/up and down weights, where they are current (None: not)."""
     attn, mlp = layer.self_attn, layer.mlp
     return [m.current_amx() for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-
-
-# What _layer_tensors and _layer_amx read from a layer, as attribute paths: the norms, the caches, and each
-# linear's weight, bias and packing.
-_READS = ("input_layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-          "post_attention_layernorm.weight", "self_attn.attn.k_cache", "self_attn.attn.v_cache",
-          *(f"{m}.{a}" for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-            for a in ("weight", "bias", "amx")))
-_ABSENT = object()
-
-
-def _lookups(root: object, path: str) -> list[tuple[dict, str, object]]:
-    """The dicts a dotted attribute lookup from root reads (a module's parameters, buffers, submodules or own
-    attributes), each with its key and what it held: what `current` compares, without nn.Module's __getattr__
-    (which made the check ~0.9 ms a step on the default model)."""
-    out, obj = [], root
-    for name in path.split("."):
-        if obj is None:
-            break
-        own = vars(obj)
-        homes = [own.get("_parameters"), own.get("_buffers"), own.get("_modules"), own]
-        home = next((d for d in homes if d is not None and name in d), own)
-        obj = home.get(name, _ABSENT)
-        out.append((home, name, obj))
-        if obj is _ABSENT:
-            break
-    return out
 
 
 def _runnable(layer: QwenDecoderLayer) -> bool:
@@ -113,18 +88,11 @@ class FusedDecode:
                  amx: list[list[AmxWeight | None]], head: Linear | None) -> None:
         model: QwenModel = outer.model
         self.model = model
-        # Held as well as pointed to (the kernel reads raw pointers), and compared on every step: a layer
-        # whose weights, packings or caches were replaced since (a reload, a quantization) rebinds.
+        # Held as well as pointed to (the kernel reads raw pointers); a model changed since (a weight, a
+        # module, a packing replaced: layers/changes.py) rebinds.
+        self.changes = changes.watch(outer.modules())
         self.tensors, self.amx = tensors, amx
         self.head, self.head_amx = head, None if head is None else head.current_amx()
-        head_reads = ("lm_head.weight", "lm_head.bias", "lm_head.amx") if head is not None else ("lm_head",)
-        lookups = [e for root, path in [(outer, "model"), *((outer, p) for p in head_reads),
-                                         (model, "embed_tokens.weight"), (model, "norm.weight"),
-                                         *((model, f"layers.{i}") for i in range(len(model.layers))),
-                                         *((layer, p) for layer in model.layers for p in _READS)]
-                   for e in _lookups(root, path)]
-        reads = {(id(d), k): (d, k, v) for d, k, v in lookups}.values()  # one per dict entry read
-        self.dicts, self.keys, self.held = (list(column) for column in zip(*reads, strict=True))
         self.embedding, self.final_norm = model.embed_tokens.weight, model.norm.weight
         self.layers = (decode_layers.Layer * len(tensors))(*(
             decode_layers.Layer(*(None if t is None else t.data_ptr() for t in ts),
@@ -172,9 +140,9 @@ class FusedDecode:
                    _head(model))
 
     def current(self) -> bool:
-        """Whether the model still holds the layers, tensors and packings bound: every attribute the binding
-        read still holds the same object (identity only, iterated in C: a step's worth of checking)."""
-        return all(map(operator.is_, map(dict.get, self.dicts, self.keys, itertools.repeat(_ABSENT)), self.held))
+        """Whether the model is as bound: no parameter, buffer, submodule, packing or cache of it replaced
+        since (layers/changes.py)."""
+        return changes.count() == self.changes
 
     def __call__(self, ids: list[int], positions: list[int], tables: list[list[int]], block_size: int,
                  logits: bool = True, argmax: bool = False) -> FusedStep:
@@ -186,8 +154,7 @@ class FusedDecode:
         if not 0 < tokens <= MAX_TOKENS or len(positions) != tokens or len(tables) != tokens:
             raise ValueError(f"fused decode: {tokens} ids, {len(positions)} positions and {len(tables)} tables "
                              f"for a step of 1..{MAX_TOKENS} rows")
-        # The step's integers go to the kernel from two C arrays, built straight from the lists: at batch 1
-        # the tensors, tables and metadata of the layer-by-layer path cost ~0.5 ms of a ~25 ms step here.
+        # The step's integers go to the kernel in two C arrays built straight from the lists.
         if min(positions) < 0 or any(p >= len(t) * block_size for p, t in zip(positions, tables, strict=True)):
             raise ValueError("fused decode: a position is negative or past its block table")
         width = max(positions) // block_size + 1
