@@ -32,6 +32,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include <omp.h>
+
 #include "vector.h"
 
 #define FEW 4 /* the most rows few_rows takes: its accumulators stay in registers */
@@ -304,18 +306,40 @@ static inline __attribute__((always_inline)) void few_rows(const split_x *xs, co
     }
 }
 
+/* One thread's run of pairs, [lo, hi) as lo | hi << 32: its owner takes pairs from the front, the other
+   threads (their own runs done) from the back. */
+typedef struct {
+    unsigned long long bounds;
+} __attribute__((aligned(64))) pair_run;
+
+/* A pair of the run, from its front or its back; -1 once the run is empty. */
+static long take_pair(pair_run *run, int back) {
+    unsigned long long now = __atomic_load_n(&run->bounds, __ATOMIC_RELAXED), next;
+    long lo, hi;
+    do {
+        lo = (long)(now & 0xffffffffu), hi = (long)(now >> 32);
+        if (lo >= hi)
+            return -1;
+        next = back ? (unsigned long long)lo | (unsigned long long)(hi - 1) << 32
+                    : (unsigned long long)(lo + 1) | (unsigned long long)hi << 32;
+    } while (!__atomic_compare_exchange_n(&run->bounds, &now, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    return back ? hi - 1 : lo;
+}
+
 /* out = x @ w^T + bias for a narrow weight and at most FEW rows, where this beats AMX's fixed work per tile
    of rows (a tile of 16 rows however few are real), and where there is no AMX. One thread's loads alone
    keep too few lines in flight to stream DRAM: fetching each block FEW_AHEAD bytes ahead into L2 measured
    1.8x on the default model's narrow linears (with 16-bit products; 8-64 KB ahead alike), and a line at a
    time beside the loads, not a block's 16 lines at its start, 1.01-1.06x more. x is split into
    digits in the same parallel region: split first by the caller alone, a down projection's call (K = 4864)
-   took ~3 us longer. Guided: each thread streams long runs
-   of pairs first, then shrinking ones, so the thread held up (by the other tenants' memory traffic, say) is
-   not waited for at the end: batch-1 decode steps 1.00-1.05x against a static split (median 1.01, steps
-   interleaved); dynamic runs of 4-16 pairs 0.89-1.01x (each run's prefetches fall in the next pairs, which
-   the other thread may take). A pair's bits are the same on any thread. Returns 0, or -1 without memory for
-   the split rows. */
+   took ~3 us longer.
+   Each thread streams one contiguous run of the pairs, and takes the others' last pairs once it is done
+   (`take_pair`), so the thread held up (by the other tenants' memory traffic, say) is waited for a pair at
+   most. Under a guided schedule, the one whose first chunk (half of the pairs, with 2 threads) ran slow was
+   waited for at each call's end: 2.7-5.5 % of the threads' time in a batch-1 decode step, 0.8 % with
+   these runs; decode steps 1.01-1.04x (rounds of steps alternated). Dynamic runs of 4-16 pairs measured
+   0.89-1.01x against guided (each run's prefetches fall in the next pairs, which the other thread may
+   take). A pair's bits are the same on any thread. Returns 0, or -1 without memory for the split rows. */
 static int few_rows_gemm(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long M,
                          long N, long K, int threads) {
     const long pairs = (N + PAIR - 1) / PAIR, blocks = K / BLOCK;
@@ -338,23 +362,27 @@ static int few_rows_gemm(const float *x, const slotserve_amx_weight *w, const fl
         xs[m].unit = units + m * blocks;
         xs[m].sums = sums + 3 * m * blocks;
     }
+    pair_run runs[threads];
 #pragma omp parallel num_threads(threads)
     {
+        const int me = omp_get_thread_num(), team = omp_get_num_threads();
+        const unsigned long long lo = pairs * me / team, hi = pairs * (me + 1) / team;
+        runs[me].bounds = lo | hi << 32;
 #pragma omp for schedule(static)
-        for (long i = 0; i < M * blocks; i++)
+        for (long i = 0; i < M * blocks; i++) /* its barrier publishes the runs too */
             split_block(x + i / blocks * K, K, i % blocks, xs[i / blocks], with_sums);
-#pragma omp for schedule(guided)
-        for (long p = 0; p < pairs; p++)
-            switch (M * 2 + w->halves) { /* constant row and segment counts: the accumulators stay in registers */
-            case 2: few_rows(xs, w, bias, out, N, K, p, 1, 1); break;
-            case 3: few_rows(xs, w, bias, out, N, K, p, 1, 2); break;
-            case 4: few_rows(xs, w, bias, out, N, K, p, 2, 1); break;
-            case 5: few_rows(xs, w, bias, out, N, K, p, 2, 2); break;
-            case 6: few_rows(xs, w, bias, out, N, K, p, 3, 1); break;
-            case 7: few_rows(xs, w, bias, out, N, K, p, 3, 2); break;
-            case 8: few_rows(xs, w, bias, out, N, K, p, FEW, 1); break;
-            default: few_rows(xs, w, bias, out, N, K, p, FEW, 2);
-            }
+        for (int other = 0; other < team; other++) /* its own run first (other = 0), then the others' */
+            for (long p; (p = take_pair(&runs[(me + other) % team], other > 0)) >= 0;)
+                switch (M * 2 + w->halves) { /* constant row and segment counts: accumulators in registers */
+                case 2: few_rows(xs, w, bias, out, N, K, p, 1, 1); break;
+                case 3: few_rows(xs, w, bias, out, N, K, p, 1, 2); break;
+                case 4: few_rows(xs, w, bias, out, N, K, p, 2, 1); break;
+                case 5: few_rows(xs, w, bias, out, N, K, p, 2, 2); break;
+                case 6: few_rows(xs, w, bias, out, N, K, p, 3, 1); break;
+                case 7: few_rows(xs, w, bias, out, N, K, p, 3, 2); break;
+                case 8: few_rows(xs, w, bias, out, N, K, p, FEW, 1); break;
+                default: few_rows(xs, w, bias, out, N, K, p, FEW, 2);
+                }
     }
     free(rows);
     return 0;
