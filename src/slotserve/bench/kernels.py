@@ -181,8 +181,10 @@ def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
                                                                                  args.prefill_len / 2)
         engine.kv.pool.free(table)
 
-        # Batch-1 decode: every weight streamed once per token. Rounds of decode_steps tokens.
-        rounds = args.repeats
+        # Batch-1 decode: every weight streamed once per token. Rounds of decode_steps tokens, three times as
+        # many as the other figures' turns: a round costs ~0.5 s, and the median of 3 ranged 0.81-0.89 of the
+        # bound in one hour's runs of the same code here.
+        rounds = 3 * args.repeats
         table = blocks(16 + args.decode_steps * (rounds + 1) + 1)
         resident(engine, table)
         tokens = runner.execute([ScheduledSeq(ids(16), 0, table, logits="greedy")])
