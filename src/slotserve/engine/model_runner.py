@@ -129,7 +129,7 @@ class ModelRunner:
         if (wants_logits and logits is None) or (wants_pick and picks is None):  # no head bound
             with torch.inference_mode():
                 logits = self.model.compute_logits(step.hidden[:len(seqs)])
-                picks = greedy(logits).tolist()
+                picks = greedy(logits).tolist() if wants_pick else None
         rows = None if logits is None else [logits] if len(seqs) == 1 else logits.split(1)
         return [rows[i] if mode in ("last", "all") else picks[i] if mode == "greedy"
                 else step.hidden[i:i + 1].clone() if mode == "hidden" else None for i, mode in enumerate(modes)]

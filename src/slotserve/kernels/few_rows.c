@@ -336,8 +336,8 @@ static long take_pair(pair_run *run, int back) {
    Each thread streams one contiguous run of the pairs, and takes the others' last pairs once it is done
    (`take_pair`), so the thread held up (by the other tenants' memory traffic, say) is waited for a pair at
    most. Under a guided schedule, the one whose first chunk (half of the pairs, with 2 threads) ran slow was
-   waited for at each call's end: 2.7-5.5 % of the threads' time in a batch-1 decode step, 0.8 % with
-   these runs; decode steps 1.01-1.04x (rounds of steps alternated). Dynamic runs of 4-16 pairs measured
+   waited for at each call's end: 2.7-3.4 % of the threads' time in a batch-1 decode step (a static split
+   5.7 %), 0.8 % with these runs; decode steps 1.01-1.04x (rounds of steps alternated). Dynamic runs of 4-16 pairs measured
    0.89-1.01x against guided (each run's prefetches fall in the next pairs, which the other thread may
    take). A pair's bits are the same on any thread. Returns 0, or -1 without memory for the split rows. */
 static int few_rows_gemm(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long M,
