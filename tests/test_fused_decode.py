@@ -194,3 +194,17 @@ def test_greedy_rows_get_the_argmax_of_their_logits(tiny_qwen2):
             assert all(torch.equal(x, y) for x, y, mode in zip(out, logits, modes, strict=True) if mode == "last")
     one = fused.execute([ScheduledSeq([11], 3, tables[0], logits="greedy")])  # a step of one row
     assert one == argmax[:1]
+
+
+def test_a_head_the_kernel_cannot_run_is_applied_after_it(tiny_qwen2):
+    fused, layers = _runners(tiny_qwen2)
+    for runner in (fused, layers):
+        runner.execute([ScheduledSeq([5, 6, 7], 0, [0, 1]), ScheduledSeq([4, 3, 2], 0, [2, 3])])
+        head = runner.model.lm_head
+        plain = nn.Linear(head.in_features, head.out_features, bias=False).requires_grad_(False)
+        plain.weight.copy_(head.weight)
+        runner.model.lm_head = plain  # torch's own Linear: not one the kernel runs
+    step = [ScheduledSeq([8], 3, [0, 1]), ScheduledSeq([9], 3, [2, 3], logits="greedy")]
+    a, b = fused.execute(step), layers.execute(step)
+    assert fused.fused is not None and fused.fused.head is None
+    assert torch.equal(a[0], b[0]) and a[1] == b[1] == int(fused.model.compute_logits(fused.fused.x[1:2]).argmax())
