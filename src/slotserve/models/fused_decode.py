@@ -87,7 +87,6 @@ class FusedDecode:
     def __init__(self, outer: nn.Module, tensors: list[list[torch.Tensor | None]],
                  amx: list[list[AmxWeight | None]], head: Linear | None) -> None:
         model: QwenModel = outer.model
-        self.model = model
         # Held as well as pointed to (the kernel reads raw pointers); a model changed since (a weight, a
         # module, a packing replaced: layers/changes.py) rebinds.
         self.changes = changes.watch(outer.modules())
@@ -100,7 +99,7 @@ class FusedDecode:
             for ts, packed in zip(tensors, amx, strict=True)))
         first = model.layers[0].self_attn
         hidden, self.num_slots = model.norm.weight.shape[0], first.attn.k_cache.shape[0]
-        self.hidden, intermediate = hidden, model.layers[0].mlp.down_proj.in_features
+        intermediate = model.layers[0].mlp.down_proj.in_features
         heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         self.cos, self.sin = model.rotary.tables(self.embedding.device)
         self.scratch = torch.empty(decode_layers.scratch_floats(MAX_TOKENS, hidden, intermediate, heads, kv_heads,
