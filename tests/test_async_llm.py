@@ -9,7 +9,7 @@ import pytest
 from slotserve import LLM, SamplingParams
 from slotserve.config import EngineConfig
 from slotserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineStartError
-from slotserve.engine.core_process import FAIL_AT_ENV
+from slotserve.engine.faults import FAULT_ENV, FaultPoint
 
 PROMPTS = ["Hello there", "def fibonacci(n):", "The capital of France is", "1, 2, 3, 4,"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -84,7 +84,7 @@ def test_a_flood_of_aborts_does_not_starve_new_requests(tiny_qwen3):
 
 
 def test_engine_death_fails_in_flight_requests(tiny_qwen3, monkeypatch):
-    monkeypatch.setenv(FAIL_AT_ENV, "5")
+    monkeypatch.setenv(FAULT_ENV, f"{FaultPoint.CORE_STEP.value}:5")
 
     async def main():
         engine = await AsyncLLM.create(_config(tiny_qwen3))

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from slotserve.engine.core_process import FAIL_AT_ENV
+from slotserve.engine.faults import FaultPoint, fault_spec
 
 MODEL = "tiny"
 
@@ -222,7 +222,7 @@ def test_api_key_and_queue_limit(tiny_qwen3):
 
 
 def test_engine_death_fails_requests_and_health(tiny_qwen3):
-    srv = Server(tiny_qwen3, env={FAIL_AT_ENV: "6"})  # forward passes 1-2 are the health checks' warm-up
+    srv = Server(tiny_qwen3, env=fault_spec(FaultPoint.CORE_STEP, 6))
     try:
         client = srv.client(max_retries=0)
         with pytest.raises(openai.APIError):

@@ -72,7 +72,21 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """TokenizerError for text that is not valid Unicode (a lone surrogate)."""
+        try:
+            if len(text) < _LONG_TEXT:
+                return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+            # The batch call releases the GIL; the single one holds it for the whole text.
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        except TypeError:
+            if isinstance(text, str) and not _is_valid_unicode(text):
+                raise TokenizerError("prompt: the text is not valid Unicode (it holds a lone surrogate)") from None
+            raise
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (a byte-level token's string has one per byte)."""
+        return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -118,6 +132,18 @@ class Tokenizer:
     @cached_property
     def _template(self) -> jinja2.Template:
         return _jinja_env().from_string(self.chat_template)
+
+
+# Texts from this many characters on are encoded through the call that lets other threads run meanwhile.
+_LONG_TEXT = 1 << 14
+
+
+def _is_valid_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _token_content(value: Any) -> str | None:

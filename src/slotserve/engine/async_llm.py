@@ -16,14 +16,15 @@ import os
 import tempfile
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
 
 from slotserve.config import EngineConfig, ModelConfig
+from slotserve.engine import faults
 from slotserve.engine.core_process import run_engine_core
 from slotserve.engine.engine_core import EngineStats
+from slotserve.engine.faults import FaultPoint
 from slotserve.engine.input_processor import InputProcessor
 from slotserve.engine.serialization import CoreCommand, CoreEvent, decode_event, encode
 from slotserve.model_store import resolve_model
@@ -43,18 +44,86 @@ class EngineStartError(RuntimeError):
     """The engine-core process failed before it was ready."""
 
 
-@dataclass
+class RequestAbortedError(RuntimeError):
+    """The engine ended a request before it finished (the server is shutting down)."""
+
+
 class _Stream:
-    queue: asyncio.Queue
-    sequence_ids: list[str]
-    finished: bool = False
+    """One request's deltas not yet read. A reader that falls behind gets them merged into one, so what it
+    pins grows with the request's output (at most max_tokens per sequence), not with the number of steps."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 sequence_ids: list[str]) -> None:
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.sequence_ids = sequence_ids
+        self.finished = False
+        self._pending: RequestOutput | EmbeddingOutput | None = None
+        self._texts: dict[int, list[str]] = {}  # the pending output's text pieces, joined when it is read
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, out: RequestOutput | EmbeddingOutput) -> None:
+        out.request_id, out.prompt_token_ids = self.request_id, self.prompt_token_ids
+        if isinstance(out, RequestOutput):
+            out.prompt = self.prompt
+        if self._pending is None or isinstance(out, EmbeddingOutput):
+            self._pending = out
+            self._texts = {c.index: [c.text] for c in getattr(out, "outputs", ())}
+        else:
+            self._merge(out)
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = self._error or error
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | EmbeddingOutput:
+        """The next (merged) delta; an error only once every delta before it has been read."""
+        await self._ready.wait()
+        out, self._pending = self._pending, None
+        if out is None:
+            raise self._error
+        if self._error is None:
+            self._ready.clear()
+        for comp in getattr(out, "outputs", ()):
+            comp.text = "".join(self._texts.pop(comp.index))
+        return out
+
+    def _merge(self, out: RequestOutput) -> None:
+        pending = self._pending
+        by_index = {c.index: c for c in pending.outputs}
+        for comp in out.outputs:
+            into = by_index.get(comp.index)
+            if into is None:
+                pending.outputs.append(comp)
+                self._texts[comp.index] = [comp.text]
+                continue
+            self._texts[comp.index].append(comp.text)
+            into.token_ids.extend(comp.token_ids)
+            if comp.logprobs is not None:
+                into.logprobs = [*(into.logprobs or []), *comp.logprobs]
+            if comp.finish_reason is not None:
+                into.finish_reason, into.stop_reason = comp.finish_reason, comp.stop_reason
+            into.cumulative_logprob = comp.cumulative_logprob
+        pending.finished = out.finished
+        pending.metrics.update(out.metrics)
+        pending.prompt_logprobs = pending.prompt_logprobs or out.prompt_logprobs
+        pending.num_cached_tokens = out.num_cached_tokens
 
 
 class RequestStream:
     """The deltas of one request. Closing it before the last one aborts the request in the engine."""
 
-    def __init__(self, engine: AsyncLLM, request_id: str, prompt_token_ids: list[int], stream: _Stream) -> None:
-        self.engine, self.request_id, self.prompt_token_ids, self._stream = engine, request_id, prompt_token_ids, stream
+    def __init__(self, engine: AsyncLLM, key: str, stream: _Stream) -> None:
+        self.engine, self._key, self._stream = engine, key, stream
+
+    @property
+    def request_id(self) -> str:
+        return self._stream.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self._stream.prompt_token_ids
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -62,22 +131,24 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput | EmbeddingOutput:
         if self._stream.finished:
             raise StopAsyncIteration
-        item = await self._stream.queue.get()
-        if isinstance(item, BaseException):
-            self._stream.finished = True
-            self.engine._streams.pop(self.request_id, None)
-            raise item
+        try:
+            item = await self._stream.get()
+        except BaseException as e:
+            if not isinstance(e, asyncio.CancelledError):
+                self._stream.finished = True
+                self.engine._streams.pop(self._key, None)
+            raise
         if item.finished:
             self._stream.finished = True
-            self.engine._streams.pop(self.request_id, None)
+            self.engine._streams.pop(self._key, None)
         return item
 
     async def aclose(self) -> None:
         if not self._stream.finished:
             self._stream.finished = True
-            self.engine._streams.pop(self.request_id, None)
+            self.engine._streams.pop(self._key, None)
             if not self.engine.is_dead:
-                await self.engine._abort(self.request_id, self._stream)
+                await self.engine._abort([self._key], self._stream.sequence_ids)
 
 
 class AsyncLLM:
@@ -92,13 +163,17 @@ class AsyncLLM:
         self._commands.bind(self._input_address)
         self._events = self._ctx.socket(zmq.PULL)
         self._events.bind(self._output_address)
+        # Keyed by the engine's own ids: a caller's id may repeat, and a finished request's last deltas
+        # may still be on their way when a new request reuses it.
         self._streams: dict[str, _Stream] = {}
+        self._keys = itertools.count()
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._tokens = itertools.count(1)
         self._process: multiprocessing.Process | None = None
         self._tasks: list[asyncio.Task] = []
         self.input_processor: InputProcessor | None = None
         self.dead_reason: str | None = None
+        self.dead = asyncio.Event()
 
     @classmethod
     async def create(cls, config: EngineConfig, log_level: str = "INFO", start_timeout: float = 900) -> AsyncLLM:
@@ -134,6 +209,8 @@ class AsyncLLM:
                                               event.hidden_size)
         self._tasks = [asyncio.create_task(self._receive_events(), name="slotserve-events"),
                        asyncio.create_task(self._watch_process(), name="slotserve-watchdog")]
+        for task in self._tasks:
+            task.add_done_callback(self._task_ended)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -142,26 +219,30 @@ class AsyncLLM:
         return self.dead_reason is not None
 
     @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
+    def num_sequences_in_flight(self) -> int:
+        return sum(len(s.sequence_ids) for s in self._streams.values())
 
     async def add_request(self, request_id: str, prompt: str | list[int],
                           params: SamplingParams | PoolingParams) -> RequestStream:
         """Validates and queues a request (ValueError for bad input, EngineDeadError when the engine is
-        gone); iterate the returned stream for its deltas."""
+        gone); iterate the returned stream for its deltas. `request_id` is the caller's name for it:
+        it is put on its outputs and may repeat."""
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
-        if request_id in self._streams:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
-        processed = self.input_processor.process(request_id, prompt, params)
-        stream = _Stream(asyncio.Queue(), [s.request_id for s in processed.sequences])
-        self._streams[request_id] = stream
+        key = str(next(self._keys))
+        # Tokenizing a long prompt takes seconds: not on the event loop.
+        processed = await asyncio.to_thread(self.input_processor.process, key, prompt, params)
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason)
+        stream = _Stream(request_id, processed.prompt, processed.prompt_token_ids,
+                         [s.request_id for s in processed.sequences])
+        self._streams[key] = stream
         try:
             await self._send(CoreCommand("add", request=processed))
-        except EngineDeadError:
-            self._streams.pop(request_id, None)
+        except BaseException:
+            self._streams.pop(key, None)
             raise
-        return RequestStream(self, request_id, processed.prompt_token_ids, stream)
+        return RequestStream(self, key, stream)
 
     async def generate(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -173,9 +254,17 @@ class AsyncLLM:
         finally:
             await stream.aclose()
 
-    async def _abort(self, request_id: str, stream: _Stream) -> None:
+    async def _abort(self, keys: list[str], sequence_ids: list[str]) -> None:
         with contextlib.suppress(EngineDeadError):
-            await self._send(CoreCommand("abort", request_ids=[request_id], sequence_ids=stream.sequence_ids))
+            await self._send(CoreCommand("abort", request_ids=keys, sequence_ids=sequence_ids))
+
+    async def abort_all(self, reason: str) -> None:
+        """Ends every request in flight with RequestAbortedError(reason), and frees them in the engine."""
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.fail(RequestAbortedError(reason))
+        if streams and not self.is_dead:
+            await self._abort(list(streams), [seq for s in streams.values() for seq in s.sequence_ids])
 
     async def _send(self, command: CoreCommand, timeout: float = 10.0) -> None:
         """A PUSH to a process that is gone would wait forever: check, and bound the wait."""
@@ -202,12 +291,14 @@ class AsyncLLM:
 
     async def _receive_events(self) -> None:
         while True:
-            event: CoreEvent = decode_event(await self._events.recv())
+            data = await self._events.recv()
+            faults.check(FaultPoint.FRONTEND_EVENTS)
+            event: CoreEvent = decode_event(data)
             if event.kind == "outputs":
                 for out in [*(event.outputs or []), *(event.embeddings or [])]:
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
-                        stream.queue.put_nowait(out)
+                        stream.put(out)
             elif event.kind == "stats":
                 waiter = self._stats_waiters.get(event.token)
                 if waiter is not None and not waiter.done():
@@ -215,7 +306,7 @@ class AsyncLLM:
             elif event.kind == "error":
                 stream = self._streams.get(event.request_id)
                 if stream is not None:
-                    stream.queue.put_nowait(ValueError(event.message))
+                    stream.fail(ValueError(event.message))
             elif event.kind == "dead":
                 self._fail_all(f"engine core died: {event.message}")
                 return
@@ -226,15 +317,26 @@ class AsyncLLM:
         await asyncio.sleep(0.5)  # let a "dead" event the process sent on its way out arrive with its reason
         self._fail_all(f"engine core process exited (exit code {self._process.exitcode})")
 
+    def _task_ended(self, task: asyncio.Task) -> None:
+        """A background task that raises would leave every request waiting forever: it ends the engine."""
+        if task.cancelled() or task.exception() is None:
+            return
+        e = task.exception()
+        logger.error("front-end task %s died", task.get_name(), exc_info=e)
+        self._fail_all(f"front-end task {task.get_name()} died: {type(e).__name__}: {e}")
+        if self._process is not None and self._process.is_alive():
+            self._process.kill()
+
     def _fail_all(self, reason: str) -> None:
         if self.dead_reason is None:
             self.dead_reason = reason
             logger.error("%s; failing %d in-flight requests", reason, len(self._streams))
         for stream in self._streams.values():
-            stream.queue.put_nowait(EngineDeadError(reason))
+            stream.fail(EngineDeadError(reason))
         for waiter in self._stats_waiters.values():
             if not waiter.done():
                 waiter.set_exception(EngineDeadError(reason))
+        self.dead.set()
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stops the engine-core process (politely, then by force) and closes the sockets."""

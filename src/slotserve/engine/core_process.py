@@ -5,8 +5,9 @@
 - `OutputProcessor` detokenizes, applies stop strings and packages the deltas.
 
 A stop string found by the output processor finishes its sequence in the core exactly like an
-abort, so its blocks are freed. If the core loop raises, the process reports `dead` with the reason
-and exits; the front end fails every in-flight request.
+abort, so its blocks are freed. An exception in any of the three threads ends the process: it
+reports `dead` with the reason and exits with code 1, and the front end fails every in-flight
+request. The process also exits when the front end that started it is gone (it polls its parent).
 """
 
 from __future__ import annotations
@@ -14,13 +15,17 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import signal
 import threading
 import traceback
+from collections.abc import Callable
 
 import zmq
 
 from slotserve.config import EngineConfig
+from slotserve.engine import faults
 from slotserve.engine.engine_core import EngineCore
+from slotserve.engine.faults import FaultPoint
 from slotserve.engine.output_processor import OutputProcessor
 from slotserve.engine.serialization import CoreCommand, CoreEvent, decode_command, encode
 from slotserve.model_store import resolve_model
@@ -28,20 +33,22 @@ from slotserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("slotserve")
 
-# Test hook: the forward pass raises on its Nth call, to exercise the engine-death path.
-FAIL_AT_ENV = "SLOTSERVE_TEST_FAIL_FORWARD_AT"
-
-
-class InjectedFailure(RuntimeError):
-    pass
+# How often the IPC loop looks up from its sockets: for a dead thread or a dead front end.
+_POLL_MS = 200
 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str, log_level: str) -> None:
     """Entry point of the spawned process."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s engine-core: %(message)s",
                         datefmt="%H:%M:%S")
+    # Ctrl-C reaches the whole process group; the front end decides how the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
     ctx = zmq.Context()
-    events = ctx.socket(zmq.PUSH)
+    # The events socket has a context of its own, so a dying process can wait for its last event to leave
+    # without waiting for the other threads' sockets.
+    events_ctx = zmq.Context()
+    events = events_ctx.socket(zmq.PUSH)
     events.connect(output_address)
     try:
         path = resolve_model(config.model)
@@ -51,81 +58,106 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         logger.exception("engine core failed to start")
         events.send(encode(CoreEvent("dead", message=f"{type(e).__name__}: {e}")))
         events.close(linger=2000)
+        events_ctx.term()
         return
-    _install_fail_hook(core)
-    server = _CoreServer(ctx, core, OutputProcessor(tokenizer, delta=True), input_address, events)
+    server = _CoreServer(ctx, core, OutputProcessor(tokenizer, delta=True), input_address, events, parent)
     events.send(encode(CoreEvent("ready", max_model_len=core.max_model_len, vocab_size=core.vocab_size,
                                  hidden_size=core.model_config.hidden_size, task=core.task)))
-    server.run()
+    clean = server.run()
+    events_ctx.term()  # sends what is queued, up to the socket's linger
+    if not clean:
+        os._exit(1)  # a thread may still be inside the model: do not wait for it
     ctx.term()
-
-
-def _install_fail_hook(core: EngineCore) -> None:
-    fail_at = int(os.environ.get(FAIL_AT_ENV, "0"))
-    if fail_at <= 0:
-        return
-    execute, calls = core.runner.execute, [0]
-
-    def failing_execute(seqs):
-        calls[0] += 1
-        if calls[0] == fail_at:
-            raise InjectedFailure(f"{FAIL_AT_ENV}: forward pass {fail_at} fails on purpose")
-        return execute(seqs)
-
-    core.runner.execute = failing_execute
 
 
 class _CoreServer:
     def __init__(self, ctx: zmq.Context, core: EngineCore, processor: OutputProcessor, input_address: str,
-                 events: zmq.Socket) -> None:
+                 events: zmq.Socket, parent_pid: int) -> None:
         self.ctx, self.core, self.processor = ctx, core, processor
-        self.input_address, self.events = input_address, events
+        self.input_address, self.events, self.parent_pid = input_address, events, parent_pid
         self.to_core: queue.Queue[CoreCommand] = queue.Queue()
         self.to_processor: queue.Queue[tuple[str, object]] = queue.Queue()
         self.outbox = "inproc://slotserve-outbox"
-        self.stopping = threading.Event()
+        self.fatal: str | None = None  # why a thread died; set once
+        self._fatal_lock = threading.Lock()
 
-    def run(self) -> None:
+    def run(self) -> bool:
+        """Serves until shutdown (True), or until a thread dies or the front end is gone (False)."""
         outbox_reader = self.ctx.socket(zmq.PULL)
         outbox_reader.bind(self.outbox)  # bound before the other threads connect to it
-        threads = [threading.Thread(target=self._core_loop, name="EngineCoreLoop", daemon=True),
-                   threading.Thread(target=self._output_loop, name="OutputProcessor", daemon=True)]
+        threads = [self._thread("EngineCoreLoop", self._core_loop), self._thread("OutputProcessor", self._output_loop)]
         for t in threads:
             t.start()
         threading.current_thread().name = "IPCLoop"
-        self._ipc_loop(outbox_reader)
-        for t in threads:
-            t.join(timeout=5)
+        try:
+            clean = self._ipc_loop(outbox_reader)
+        except Exception as e:
+            self._die("IPCLoop", e)
+            clean = False
+        if self.fatal is not None:
+            self.events.send(encode(CoreEvent("dead", message=self.fatal)))
+            clean = False
+        self.events.close(linger=2000)
+        if clean:
+            for t in threads:
+                t.join(timeout=5)
+        return clean
+
+    def _thread(self, name: str, body: Callable[[], None]) -> threading.Thread:
+        def guarded() -> None:
+            try:
+                body()
+            except Exception as e:
+                self._die(name, e)
+
+        return threading.Thread(target=guarded, name=name, daemon=True)
+
+    def _die(self, thread: str, e: Exception) -> None:
+        """Any thread's exception ends the engine: the IPC loop sees `fatal`, reports it and exits."""
+        logger.error("%s died: %s\n%s", thread, e, traceback.format_exc())
+        with self._fatal_lock:
+            if self.fatal is None:
+                self.fatal = f"{thread} died: {type(e).__name__}: {e}"
+        self.to_core.put(CoreCommand("shutdown"))
+        self.to_processor.put(("shutdown", None))
 
     # ---- IPCLoop: socket in, socket out --------------------------------------------------------
 
-    def _ipc_loop(self, outbox_reader: zmq.Socket) -> None:
+    def _ipc_loop(self, outbox_reader: zmq.Socket) -> bool:
+        """True after a clean shutdown, False when it stopped because something else ended."""
         commands = self.ctx.socket(zmq.PULL)
         commands.connect(self.input_address)
         poller = zmq.Poller()
         poller.register(commands, zmq.POLLIN)
         poller.register(outbox_reader, zmq.POLLIN)
-        while True:
-            ready = dict(poller.poll(timeout=1000))
-            if outbox_reader in ready:
-                while True:  # forward everything the other threads produced
-                    try:
-                        data = outbox_reader.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    if data == b"":  # the shutdown marker
-                        commands.close(linger=0)
-                        outbox_reader.close(linger=0)
-                        self.events.close(linger=1000)
-                        return
-                    self.events.send(data)
-            if commands in ready:
-                while True:
-                    try:
-                        command = decode_command(commands.recv(zmq.NOBLOCK))
-                    except zmq.Again:
-                        break
-                    self._route(command)
+        try:
+            while True:
+                ready = dict(poller.poll(timeout=_POLL_MS))
+                if self.fatal is not None:
+                    return False
+                if os.getppid() != self.parent_pid:
+                    logger.error("the front end (pid %d) is gone; the engine core exits", self.parent_pid)
+                    return False
+                if outbox_reader in ready:
+                    while True:  # forward everything the other threads produced
+                        try:
+                            data = outbox_reader.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        if data == b"":  # the shutdown marker
+                            return True
+                        self.events.send(data)
+                if commands in ready:
+                    while True:
+                        try:
+                            command = decode_command(commands.recv(zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
+                        faults.check(FaultPoint.IPC)
+                        self._route(command)
+        finally:
+            commands.close(linger=0)
+            outbox_reader.close(linger=0)
 
     def _route(self, command: CoreCommand) -> None:
         if command.kind == "add":
@@ -156,24 +188,24 @@ class _CoreServer:
                 for command in commands:
                     self._apply(command, outbox)
                 if self.core.has_unfinished_requests():
+                    faults.check(FaultPoint.CORE_STEP)
                     outputs = self.core.step()
                     if outputs:
                         self.to_processor.put(("outputs", outputs))
-        except Exception as e:
-            logger.error("engine core loop died: %s\n%s", e, traceback.format_exc())
-            # Through the output thread, so it reaches the front end before that thread's shutdown marker.
-            self.to_processor.put(("event", encode(CoreEvent("dead", message=f"{type(e).__name__}: {e}"))))
+            self.to_processor.put(("shutdown", None))  # after the outputs before it: a clean stop
         finally:
-            self.to_processor.put(("shutdown", None))
             outbox.close(linger=1000)
 
     def _apply(self, command: CoreCommand, outbox: zmq.Socket) -> None:
         if command.kind == "add":
-            for seq in command.request.sequences:
-                try:
+            added = []
+            try:
+                for seq in command.request.sequences:
                     self.core.add_request(seq)
-                except ValueError as e:
-                    outbox.send(encode(CoreEvent("error", request_id=command.request.request_id, message=str(e))))
+                    added.append(seq.request_id)
+            except ValueError as e:  # all of the request's sequences or none; the processor forgets it
+                self.core.abort_requests(added)
+                self.to_processor.put(("reject", (command.request.request_id, str(e))))
         elif command.kind in ("abort", "stop"):
             self.core.abort_requests(command.sequence_ids or [], reason="abort" if command.kind == "abort" else "stop")
         elif command.kind == "stats":
@@ -184,23 +216,29 @@ class _CoreServer:
     def _output_loop(self) -> None:
         outbox = self.ctx.socket(zmq.PUSH)
         outbox.connect(self.outbox)
-        while True:
-            kind, payload = self.to_processor.get()
-            if kind == "shutdown":
-                outbox.send(b"")
-                break
-            if kind == "event":
-                outbox.send(payload)
-            elif kind == "add":
-                self.processor.add_request(payload)
-            elif kind == "abort":
-                for request_id in payload:
+        try:
+            while True:
+                kind, payload = self.to_processor.get()
+                if kind == "shutdown":
+                    if self.fatal is None:
+                        outbox.send(b"")
+                    break
+                if kind == "add":
+                    self.processor.add_request(payload)
+                elif kind == "abort":
+                    for request_id in payload:
+                        self.processor.abort_request(request_id)
+                elif kind == "reject":
+                    request_id, message = payload
                     self.processor.abort_request(request_id)
-            else:
-                processed = self.processor.process(payload)
-                if processed.stopped:
-                    self.to_core.put(CoreCommand("stop", sequence_ids=processed.stopped))
-                if processed.request_outputs or processed.embeddings:
-                    outbox.send(encode(CoreEvent("outputs", outputs=processed.request_outputs,
-                                                 embeddings=processed.embeddings)))
-        outbox.close(linger=1000)
+                    outbox.send(encode(CoreEvent("error", request_id=request_id, message=message)))
+                else:
+                    faults.check(FaultPoint.OUTPUT)
+                    processed = self.processor.process(payload)
+                    if processed.stopped:
+                        self.to_core.put(CoreCommand("stop", sequence_ids=processed.stopped))
+                    if processed.request_outputs or processed.embeddings:
+                        outbox.send(encode(CoreEvent("outputs", outputs=processed.request_outputs,
+                                                     embeddings=processed.embeddings)))
+        finally:
+            outbox.close(linger=1000)

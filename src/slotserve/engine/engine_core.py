@@ -38,6 +38,7 @@ class EngineStats:
     waiting: int
     kv_cache_usage: float
     num_blocks: int
+    num_free_blocks: int
     max_model_len: int
     prefix_cache_hit_rate: float
     num_preemptions: int
@@ -133,7 +134,8 @@ class EngineCore:
     def stats(self) -> EngineStats:
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-            kv_cache_usage=self.kv.pool.usage, num_blocks=self.kv.pool.num_blocks, max_model_len=self.max_model_len,
+            kv_cache_usage=self.kv.pool.usage, num_blocks=self.kv.pool.num_blocks,
+            num_free_blocks=self.kv.pool.num_free, max_model_len=self.max_model_len,
             prefix_cache_hit_rate=self.kv.stats.hit_rate, num_preemptions=self.scheduler.num_preemptions,
         )
 

@@ -38,6 +38,11 @@ class InputProcessor:
         if not pooling and self.task == "embed":
             raise TaskMismatchError("this model is served for embeddings (task embed); it does not generate text")
         if isinstance(prompt, str):
+            # A cheap bound before the costly step: no token stands for more characters than the longest.
+            limit = self.max_model_len * self.tokenizer.max_token_chars
+            if len(prompt) > limit:
+                raise ValueError(f"prompt: {len(prompt)} characters cannot fit the context of {self.max_model_len} "
+                                 f"tokens")
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, [int(t) for t in prompt]
@@ -48,6 +53,7 @@ class InputProcessor:
             raise ValueError("prompt: must not be empty")
         if pooling:
             return self._embedding(request_id, text, token_ids, params)
+        self._check_token_ids(params)
         max_tokens = self.resolve_max_tokens(len(token_ids), params)
         sequences = []
         for index in range(params.n):
@@ -57,6 +63,12 @@ class InputProcessor:
                 seq_params = replace(params, seed=(params.seed + index) % 2**64)
             sequences.append(EngineCoreRequest(f"{request_id}#{index}", token_ids, seq_params, max_tokens))
         return ProcessedRequest(request_id, text, token_ids, sequences)
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
 
     def _embedding(self, request_id: str, text: str | None, token_ids: list[int],
                    params: PoolingParams) -> ProcessedRequest:

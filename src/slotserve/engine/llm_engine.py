@@ -81,8 +81,15 @@ class LLMEngine:
         default = PoolingParams() if self.core.task == "embed" else SamplingParams()
         processed = self.input_processor.process(request_id, prompt, params or default)
         self.output_processor.add_request(processed)
-        for seq in processed.sequences:
-            self.core.add_request(seq)
+        added = []
+        try:
+            for seq in processed.sequences:
+                self.core.add_request(seq)
+                added.append(seq.request_id)
+        except ValueError:  # all of its sequences or none, and nothing left behind
+            self.core.abort_requests(added)
+            self.output_processor.abort_request(request_id)
+            raise
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:

@@ -25,6 +25,7 @@ class _Sequence:
     sent_tokens: int = 0  # what delta outputs have already handed out
     sent_chars: int = 0
     sent_logprobs: int = 0
+    sent_finish: bool = False
 
 
 @dataclass
@@ -34,6 +35,7 @@ class _Group:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    sent_prompt_logprobs: bool = False
     num_cached_tokens: int = 0
 
     @property
@@ -49,7 +51,8 @@ class ProcessedOutputs:
 
 
 class OutputProcessor:
-    """`delta=False`: each RequestOutput holds everything so far; `delta=True`: only what is new."""
+    """`delta=False`: each RequestOutput holds everything so far; `delta=True`: only what is new: the
+    sequences that changed, their new tokens and text, and no prompt (the receiver has it)."""
 
     def __init__(self, tokenizer: Tokenizer, delta: bool = False) -> None:
         self.tokenizer, self.delta = tokenizer, delta
@@ -133,27 +136,48 @@ class OutputProcessor:
         return position
 
     def _output(self, group: _Group) -> RequestOutput:
-        completions = []
-        for seq in group.sequences.values():
-            text = seq.detokenizer.output_text
-            completion = CompletionOutput(
-                index=seq.index, text=text, token_ids=list(seq.token_ids), finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason, logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None)
-            if self.delta:
-                completion.text = text[seq.sent_chars:]
-                completion.token_ids = seq.token_ids[seq.sent_tokens:]
-                if seq.logprobs is not None:
-                    completion.logprobs = seq.logprobs[seq.sent_logprobs:]
-                seq.sent_chars, seq.sent_tokens = len(text), len(seq.token_ids)
-                seq.sent_logprobs = len(seq.logprobs or [])
-            completions.append(completion)
+        if self.delta:
+            return self._delta(group)
+        completions = [CompletionOutput(
+            index=seq.index, text=seq.detokenizer.output_text, token_ids=list(seq.token_ids),
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None)
+            for seq in group.sequences.values()]
         request = group.request
-        metrics = {}
-        if group.first_token_time is not None:
-            metrics["time_to_first_token"] = group.first_token_time - group.arrival_time
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
             outputs=completions, finished=group.finished, prompt_logprobs=group.prompt_logprobs,
-            metrics=metrics, num_cached_tokens=group.num_cached_tokens,
+            metrics=self._metrics(group), num_cached_tokens=group.num_cached_tokens,
         )
+
+    def _delta(self, group: _Group) -> RequestOutput:
+        """What is new since the last delta: sequences with no new tokens, text or finish are left out,
+        so each sequence's finish_reason is sent exactly once."""
+        completions = []
+        for seq in group.sequences.values():
+            text = seq.detokenizer.output_text
+            finishing = seq.finish_reason is not None and not seq.sent_finish
+            if len(seq.token_ids) == seq.sent_tokens and len(text) == seq.sent_chars and not finishing:
+                continue
+            completions.append(CompletionOutput(
+                index=seq.index, text=text[seq.sent_chars:], token_ids=seq.token_ids[seq.sent_tokens:],
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                logprobs=seq.logprobs[seq.sent_logprobs:] if seq.logprobs is not None else None,
+                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None))
+            seq.sent_chars, seq.sent_tokens = len(text), len(seq.token_ids)
+            seq.sent_logprobs, seq.sent_finish = len(seq.logprobs or []), seq.finish_reason is not None
+        prompt_logprobs = None
+        if group.prompt_logprobs is not None and not group.sent_prompt_logprobs:
+            prompt_logprobs, group.sent_prompt_logprobs = group.prompt_logprobs, True
+        return RequestOutput(
+            request_id=group.request.request_id, prompt=None, prompt_token_ids=[], outputs=completions,
+            finished=group.finished, prompt_logprobs=prompt_logprobs, metrics=self._metrics(group),
+            num_cached_tokens=group.num_cached_tokens,
+        )
+
+    @staticmethod
+    def _metrics(group: _Group) -> dict[str, float]:
+        if group.first_token_time is None:
+            return {}
+        return {"time_to_first_token": group.first_token_time - group.arrival_time}

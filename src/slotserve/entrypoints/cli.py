@@ -178,6 +178,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from slotserve.engine.async_llm import EngineStartError
     from slotserve.entrypoints.openai.api_server import ServerSettings, serve
+    from slotserve.entrypoints.openai.limits import RequestLimits
 
     if args.model_positional:
         args.model = args.model_positional
@@ -186,15 +187,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_name=args.served_model_name or args.model,
         api_key=args.api_key or os.environ.get("SLOTSERVE_API_KEY") or None,
         max_queued_requests=args.max_queued_requests,
+        limits=RequestLimits(max_body_bytes=args.max_request_bytes, max_n=args.max_n, max_stop=args.max_stop,
+                             max_logit_bias=args.max_logit_bias),
         log_interval=args.log_interval,
+        engine_death_exit_delay=args.engine_death_exit_delay,
     )
 
     try:
-        asyncio.run(serve(config, settings, args.host, args.port, args.log_level, args.shutdown_timeout))
+        return asyncio.run(serve(config, settings, args.host, args.port, args.log_level, args.shutdown_timeout))
     except EngineStartError as e:
         print(f"slotserve: error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -272,15 +275,31 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(p, max_tokens=1024)
     p.set_defaults(func=cmd_chat)
 
+    from slotserve.entrypoints.openai.limits import RequestLimits
+
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (engine core in its own process)")
     p.add_argument("model_positional", nargs="?", metavar="MODEL", help="same as --model")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or SLOTSERVE_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    p.add_argument("--max-queued-requests", type=int, default=None, help="in-flight requests beyond which 503")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats lines (0: off)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="grace period for in-flight requests")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may run on after SIGTERM/SIGINT; then they end with an error")
+    p.add_argument("--engine-death-exit-delay", type=float, default=5.0,
+                   help="seconds the server answers 503 after its engine died, before it exits with code 1")
+    g = p.add_argument_group("request limits")
+    limits = RequestLimits()
+    g.add_argument("--max-queued-requests", type=int, default=None,
+                   help="sequences in flight (n of each prompt) beyond which new requests get 503 (default: no limit)")
+    g.add_argument("--max-request-bytes", type=_size, default=limits.max_body_bytes,
+                   help=f"largest request body; larger ones get 413 (default {limits.max_body_bytes >> 20}M)")
+    g.add_argument("--max-n", type=int, default=limits.max_n,
+                   help=f"most sequences one request may start: n times its prompts (default {limits.max_n})")
+    g.add_argument("--max-stop", type=int, default=limits.max_stop,
+                   help=f"most stop strings, and most stop token ids, per request (default {limits.max_stop})")
+    g.add_argument("--max-logit-bias", type=int, default=limits.max_logit_bias,
+                   help=f"most logit_bias entries per request (default {limits.max_logit_bias})")
     _engine_args(p)
     p.set_defaults(func=cmd_serve)
 

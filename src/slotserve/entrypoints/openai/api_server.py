@@ -1,7 +1,10 @@
 """`slotserve serve`: the OpenAI-compatible HTTP server (FastAPI on uvicorn) in front of the engine core.
 
-Errors always come back as an OpenAI error body: 400 for bad input, 401 without the API key, 404
-for an unknown model, 503 when the queue is full or the engine is dead or shutting down.
+Every error comes back as an OpenAI error body: 400 for bad input, 401 without the API key, 404 for an
+unknown model or route, 405 for a wrong method, 413 for a body over the size limit, 503 when the queue
+is full or the engine is dead or shutting down. When the engine dies, every request in flight ends with
+an error, `/health` answers 503, and after `engine_death_exit_delay` seconds the server exits with code
+1, for a supervisor to restart it (as vLLM does).
 """
 
 from __future__ import annotations
@@ -12,121 +15,188 @@ import hmac
 import logging
 import signal
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.exceptions import HTTPException
 
 from slotserve.config import EngineConfig
-from slotserve.engine.async_llm import AsyncLLM, EngineDeadError
+from slotserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestAbortedError
+from slotserve.entrypoints.openai.errors import ServerError, as_server_error, bad_request, unavailable
+from slotserve.entrypoints.openai.limits import RequestLimits
 from slotserve.entrypoints.openai.metrics import ServerMetrics
 from slotserve.entrypoints.openai.protocol import (
+    Body,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
     TokenizeRequest,
-    error_body,
+    parse_body,
+    require_model,
 )
-from slotserve.entrypoints.openai.serving import OpenAIServing, new_request_id
-from slotserve.tokenizer import TokenizerError
+from slotserve.entrypoints.openai.serving import ClientDisconnectedError, OpenAIServing, new_request_id
 
 logger = logging.getLogger("slotserve")
+
+# Routes open without the API key: what load balancers and scrapers poll.
+_OPEN_PATHS = frozenset({"/health", "/metrics"})
+# Bodies above this are parsed off the event loop.
+_LARGE_BODY = 1 << 16
 
 
 @dataclass
 class ServerSettings:
     model_name: str
     api_key: str | None = None
-    max_queued_requests: int | None = None  # in-flight requests beyond which new ones get 503
+    max_queued_requests: int | None = None  # sequences in flight (n per prompt) beyond which new requests get 503
+    limits: RequestLimits = field(default_factory=RequestLimits)
     log_interval: float = 10.0  # seconds between periodic stats lines; 0 turns them off
+    engine_death_exit_delay: float = 5.0  # seconds of 503s after the engine died, before the server exits 1
 
 
-class ServerError(Exception):
-    def __init__(self, status: int, kind: str, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.message, self.param = status, kind, message, param
+@dataclass
+class ServerState:
+    shutting_down: bool = False
 
 
-def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
+class _Gate:
+    """Before any route: names the request (the client's X-Request-Id is echoed and logged, never used as
+    a key), checks the API key, and refuses a body over the size limit before it is read (413)."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        request_id = headers.get("x-request-id") or new_request_id()
+        scope.setdefault("state", {})["client_request_id"] = request_id
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)["X-Request-Id"] = request_id
+            await send(message)
+
+        if self.api_key and scope["path"] not in _OPEN_PATHS:
+            supplied = headers.get("authorization", "")
+            if not hmac.compare_digest(supplied.encode(), f"Bearer {self.api_key}".encode()):
+                error = ServerError(401, "AuthenticationError", "missing or invalid API key")
+                await _error(error)(scope, receive, send_with_id)
+                return
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            await _error(self._too_large())(scope, receive, send_with_id)
+            return
+        received = 0
+
+        async def counted_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise self._too_large()
+            return message
+
+        await self.app(scope, counted_receive, send_with_id)
+
+    def _too_large(self) -> ServerError:
+        return ServerError(413, "RequestTooLargeError",
+                           f"the request body is over {self.max_body_bytes} bytes (--max-request-bytes)")
+
+
+def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | None = None,
+              exit_server: Callable[[int], None] | None = None) -> FastAPI:
+    """`exit_server(code)` is called when the engine has died and the server should stop."""
     metrics = ServerMetrics(settings.model_name)
-    serving = OpenAIServing(engine, settings.model_name, metrics)
-    state = {"shutting_down": False}
+    serving = OpenAIServing(engine, settings.model_name, metrics, settings.limits, settings.max_queued_requests)
+    state = state or ServerState()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        logger_task = asyncio.create_task(_log_stats(engine, metrics, settings.log_interval))
+        tasks = [asyncio.create_task(_log_stats(engine, metrics, settings.log_interval))]
+        if exit_server is not None:
+            tasks.append(asyncio.create_task(_exit_after_death(engine, settings.engine_death_exit_delay, exit_server)))
         try:
             yield
         finally:
-            state["shutting_down"] = True
-            logger_task.cancel()
+            state.shutting_down = True
+            for task in tasks:
+                task.cancel()
             await engine.shutdown()
 
     app = FastAPI(title="slotserve", lifespan=lifespan)
-
-    @app.middleware("http")
-    async def request_id_and_auth(request: Request, call_next):
-        request_id = request.headers.get("x-request-id") or new_request_id()
-        request.state.request_id = request_id
-        if settings.api_key and request.url.path.startswith("/v1"):
-            supplied = request.headers.get("authorization", "")
-            if not hmac.compare_digest(supplied.encode(), f"Bearer {settings.api_key}".encode()):
-                response = _error(401, "AuthenticationError", "missing or invalid API key")
-                response.headers["X-Request-Id"] = request_id
-                return response
-        response = await call_next(request)
-        response.headers["X-Request-Id"] = request_id
-        return response
+    app.add_middleware(_Gate, api_key=settings.api_key, max_body_bytes=settings.limits.max_body_bytes)
 
     @app.exception_handler(ServerError)
     async def server_error(_: Request, e: ServerError):
-        return _error(e.status, e.kind, e.message, e.param)
+        return _error(e)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, e: HTTPException):
+        kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(e.status_code, "BadRequestError")
+        return _error(ServerError(e.status_code, kind, str(e.detail)))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
-        if first.get("type") == "json_invalid":
-            detail = first.get("ctx", {}).get("error", "")
-            return _error(400, "BadRequestError", f"the request body is not valid JSON ({detail})")
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid JSON")
-        return _error(400, "BadRequestError", message, where or None)
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        return _error(bad_request(f"{where}: {first.get('msg', 'invalid request')}", where or None))
 
-    def admit(body_model: str | None) -> None:
-        if state["shutting_down"]:
-            raise ServerError(503, "ServiceUnavailableError", "the server is shutting down")
+    @app.exception_handler(ClientDisconnectedError)
+    async def client_gone(_: Request, e: ClientDisconnectedError):
+        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+
+    @app.exception_handler(Exception)
+    async def internal_error(raw: Request, e: Exception):
+        logger.exception("request %s failed", raw.state.client_request_id)
+        return _error(as_server_error(e))
+
+    def admit(body: BaseModel) -> None:
+        if state.shutting_down:
+            raise unavailable("the server is shutting down")
         if engine.is_dead:
-            raise ServerError(503, "ServiceUnavailableError", f"the engine is not running: {engine.dead_reason}")
-        if body_model is not None and body_model != settings.model_name:
-            raise ServerError(404, "NotFoundError", f"model {body_model!r} does not exist; this server serves "
-                                                    f"{settings.model_name!r}", "model")
-        limit = settings.max_queued_requests
-        if limit is not None and engine.num_in_flight >= limit:
-            raise ServerError(503, "ServiceUnavailableError", f"too many requests in flight (limit {limit})")
+            raise unavailable(f"the engine is not running: {engine.dead_reason}")
+        require_model(body, settings.model_name)
 
-    async def run(handler, body, raw: Request):
-        admit(body.model)
+    async def read(raw: Request, model: type[Body]) -> Body:
+        data = await raw.body()
+        if len(data) > _LARGE_BODY:
+            return await asyncio.to_thread(parse_body, data, model)
+        return parse_body(data, model)
+
+    async def run(handler, model: type[Body], raw: Request):
+        body = await read(raw, model)
+        admit(body)
+        response_id = new_request_id()
+        logger.debug("request %s is %s", raw.state.client_request_id, response_id)
         try:
-            return await handler(body, raw, raw.state.request_id)
-        except (ValueError, TokenizerError) as e:
-            raise ServerError(400, "BadRequestError", str(e), str(e).split(":", 1)[0]) from None
-        except EngineDeadError as e:
-            raise ServerError(503, "ServiceUnavailableError", f"the engine is not running: {e}") from None
+            return await handler(body, raw, response_id)
+        except (ServerError, ClientDisconnectedError):
+            raise
+        except (ValueError, EngineDeadError, RequestAbortedError) as e:
+            raise as_server_error(e) from None
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request):
-        return await run(serving.completions, body, raw)
+    async def completions(raw: Request):
+        return await run(serving.completions, CompletionRequest, raw)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        return await run(serving.chat, body, raw)
+    async def chat_completions(raw: Request):
+        return await run(serving.chat, ChatCompletionRequest, raw)
 
     @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest, raw: Request):
-        return await run(serving.embeddings, body, raw)
+    async def embeddings(raw: Request):
+        return await run(serving.embeddings, EmbeddingRequest, raw)
 
     @app.get("/v1/models")
     async def models():
@@ -135,9 +205,11 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
             "max_model_len": engine.max_model_len}]}
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        admit(body.model)
-        try:
+    async def tokenize(raw: Request):
+        body = await read(raw, TokenizeRequest)
+        admit(body)
+
+        def encode() -> list[int]:
             if body.messages is not None:
                 text = engine.tokenizer.apply_chat_template(
                     body.messages, add_generation_prompt=body.add_generation_prompt,
@@ -145,23 +217,29 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
             elif body.prompt is not None:
                 text = body.prompt
             else:
-                raise ServerError(400, "BadRequestError", "prompt: give a prompt or messages", "prompt")
-        except TokenizerError as e:
-            raise ServerError(400, "BadRequestError", str(e), "messages") from None
-        tokens = engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+                raise bad_request("prompt: give a prompt or messages", "prompt")
+            return engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+
+        try:
+            tokens = await asyncio.to_thread(encode)
+        except ValueError as e:
+            raise as_server_error(e) from None
+        except TypeError as e:  # a template given a kwarg it cannot take
+            raise bad_request(f"chat_template_kwargs: {e}", "chat_template_kwargs") from None
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
-        admit(body.model)
+    async def detokenize(raw: Request):
+        body = await read(raw, DetokenizeRequest)
+        admit(body)
         bad = [t for t in body.tokens if not 0 <= t < engine.input_processor.vocab_size]
         if bad:
-            raise ServerError(400, "BadRequestError", f"tokens: ids {bad[:5]} are outside the vocabulary", "tokens")
+            raise bad_request(f"tokens: ids {bad[:5]} are outside the vocabulary", "tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     @app.get("/health")
     async def health():
-        if state["shutting_down"] or engine.is_dead:
+        if state.shutting_down or engine.is_dead:
             return Response(status_code=503)
         try:
             await engine.stats(timeout=5.0)
@@ -178,8 +256,15 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     return app
 
 
-def _error(status: int, kind: str, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, kind, status, param), status_code=status)
+def _error(e: ServerError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _exit_after_death(engine: AsyncLLM, delay: float, exit_server: Callable[[int], None]) -> None:
+    await engine.dead.wait()
+    logger.error("the engine is dead (%s); the server exits in %.0f s", engine.dead_reason, delay)
+    await asyncio.sleep(delay)
+    exit_server(1)
 
 
 async def _log_stats(engine: AsyncLLM, metrics: ServerMetrics, interval: float) -> None:
@@ -202,9 +287,14 @@ async def _log_stats(engine: AsyncLLM, metrics: ServerMetrics, interval: float) 
         last_prompt, last_gen = prompt, gen
 
 
-class _GracefulServer(uvicorn.Server):
+class _Server(uvicorn.Server):
     """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so the process dies of the signal;
-    a server that drained cleanly should exit 0 instead."""
+    a server that drained cleanly exits 0 instead. Requests still running `grace` seconds after the
+    signal are ended with an error (their streams get an error event), so none is cut off silently."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, state: ServerState, grace: float) -> None:
+        super().__init__(config)
+        self.engine, self.state, self.grace, self.exit_code = engine, state, grace, 0
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -217,13 +307,28 @@ class _GracefulServer(uvicorn.Server):
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
 
+    def handle_exit(self, sig, frame) -> None:
+        if not self.state.shutting_down:
+            self.state.shutting_down = True
+            loop = asyncio.get_running_loop()
+            loop.call_later(self.grace, lambda: loop.create_task(self.engine.abort_all("the server is shutting down")))
+        super().handle_exit(sig, frame)
+
+    def stop(self, code: int) -> None:
+        self.exit_code, self.should_exit = code, True
+
 
 async def serve(config: EngineConfig, settings: ServerSettings, host: str, port: int, log_level: str,
-                shutdown_timeout: float) -> None:
-    """Starts the engine core, then serves until SIGINT/SIGTERM: stop accepting, let in-flight
-    requests finish for up to `shutdown_timeout` seconds, stop the engine."""
+                shutdown_timeout: float) -> int:
+    """Starts the engine core, then serves until SIGINT/SIGTERM (stop accepting, let in-flight requests
+    finish for up to `shutdown_timeout` seconds, stop the engine: exit code 0) or until the engine dies
+    (exit code 1)."""
     engine = await AsyncLLM.create(config, log_level=log_level.upper())
-    app = build_app(engine, settings)
-    server = _GracefulServer(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
-                                            timeout_graceful_shutdown=shutdown_timeout))
+    state = ServerState()
+    server: _Server | None = None
+    app = build_app(engine, settings, state, exit_server=lambda code: server.stop(code))
+    # uvicorn's own deadline comes after ours, so ended streams can still write their error event.
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
+                                    timeout_graceful_shutdown=shutdown_timeout + 5), engine, state, shutdown_timeout)
     await server.serve()
+    return server.exit_code

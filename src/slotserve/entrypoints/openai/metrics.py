@@ -33,6 +33,8 @@ class ServerMetrics:
         self.running = gauge("num_requests_running", "Sequences running in the engine")
         self.waiting = gauge("num_requests_waiting", "Sequences waiting for the engine")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use")
+        self.kv_blocks = gauge("kv_cache_blocks", "KV cache blocks in the pool")
+        self.kv_free_blocks = gauge("kv_cache_free_blocks", "KV cache blocks free (cached prefixes included)")
         self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
@@ -51,6 +53,8 @@ class ServerMetrics:
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.kv_usage.set(stats.kv_cache_usage)
+        self.kv_blocks.set(stats.num_blocks)
+        self.kv_free_blocks.set(stats.num_free_blocks)
         self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
 
     def render(self) -> bytes:

@@ -1,12 +1,19 @@
-"""Request bodies of the OpenAI-compatible API (pydantic), and their translation to SamplingParams."""
+"""Request bodies of the OpenAI-compatible API (pydantic), their limits, and their translation to SamplingParams."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from slotserve.entrypoints.openai.errors import ServerError, bad_request
+from slotserve.entrypoints.openai.limits import RequestLimits
 from slotserve.sampling_params import SamplingParams
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# OpenAI's own cap on the inputs of one embeddings request.
+MAX_EMBEDDING_INPUTS = 2048
 
 
 class StreamOptions(BaseModel):
@@ -16,7 +23,9 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """Sampling fields both endpoints share, OpenAI's plus vLLM's extensions."""
 
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields (user, suffix, ...) are accepted and ignored
+    # Fields that change nothing in the answer (user, metadata, ...) are accepted and ignored; OpenAI
+    # fields this server does not implement are named in a 400 (see `unsupported`).
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -40,6 +49,28 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+
+    # OpenAI fields not implemented here, each with the values that mean "not used".
+    unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    def unsupported(self) -> None:
+        """A 400 naming the first OpenAI field that asks for something this server does not do."""
+        values = {**(self.model_extra or {}), **{k: getattr(self, k) for k in type(self).model_fields}}
+        for name, unused in self.unsupported_fields.items():
+            if name in values and values[name] not in unused:
+                raise bad_request(f"{name}: not supported by this server", name)
+
+    def check_limits(self, limits: RequestLimits, num_prompts: int) -> None:
+        if self.n * num_prompts > limits.max_n:
+            raise bad_request(f"n: at most {limits.max_n} sequences per request (n times the prompts), got "
+                              f"{self.n * num_prompts}", "n")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        for name, values in (("stop", stops), ("stop_token_ids", self.stop_token_ids or [])):
+            if len(values) > limits.max_stop:
+                raise bad_request(f"{name}: at most {limits.max_stop} entries, got {len(values)}", name)
+        if self.logit_bias and len(self.logit_bias) > limits.max_logit_bias:
+            raise bad_request(f"logit_bias: at most {limits.max_logit_bias} entries, got {len(self.logit_bias)}",
+                              "logit_bias")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """ValueError (naming the field) for values out of range."""
@@ -76,7 +107,9 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+
+    unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -93,8 +126,32 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+
+    unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "response_format": (None, {"type": "text"}), "audio": (None,), "modalities": (None, ["text"]),
+        "prediction": (None,), "functions": (None,), "function_call": (None, "none"),
+        "web_search_options": (None,), "reasoning_effort": (None,), "verbosity": (None,),
+    }
+
+    @field_validator("messages")
+    @classmethod
+    def _roles(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if not messages:
+            raise ValueError("must not be empty")
+        for i, message in enumerate(messages):
+            if message.get("role") not in ROLES:
+                raise ValueError(f"[{i}].role must be one of {', '.join(ROLES)}, got {message.get('role')!r}")
+        return messages
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.tools and self.tool_choice != "none":
+            # As vLLM without a tool parser: tools can be rendered into the prompt, calls are not parsed.
+            raise bad_request("tool_choice: tool calls are not parsed by this server yet; pass tool_choice 'none' "
+                              "to only render the tools into the prompt", "tool_choice")
 
 
 class EmbeddingRequest(BaseModel):
@@ -112,6 +169,10 @@ class EmbeddingRequest(BaseModel):
             return [self.input]
         return list(self.input)
 
+    def check_limits(self, limits: RequestLimits, num_prompts: int) -> None:
+        if num_prompts > MAX_EMBEDDING_INPUTS:
+            raise bad_request(f"input: at most {MAX_EMBEDDING_INPUTS} inputs per request, got {num_prompts}", "input")
+
 
 class TokenizeRequest(BaseModel):
     model: str | None = None
@@ -127,6 +188,57 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+Body = TypeVar("Body", bound=BaseModel)
 
+
+def parse_body(data: bytes, model: type[Body]) -> Body:
+    """The request body as `model`, or a 400 that says what is wrong with it."""
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the request body is not valid UTF-8 (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise bad_request(f"the request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
+    if not isinstance(value, dict):
+        raise bad_request("the request body must be a JSON object")
+    bad = _invalid_text(value)
+    if bad is not None:
+        raise bad_request(f"{bad}: not valid Unicode (a lone surrogate)", bad)
+    try:
+        return model.model_validate(value)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        message = first["msg"].removeprefix("Value error, ")
+        raise bad_request(f"{where}: {message}" if where else message, where or None) from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
+
+
+def _invalid_text(value: Any, where: str = "") -> str | None:
+    """The path of the first string (or key) holding a lone surrogate, which JSON allows and UTF-8 does not."""
+    stack = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path or "body"
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                stack.append((key, path or "body"))
+                stack.append((child, f"{path}.{key}" if path else str(key)))
+        elif isinstance(item, list):
+            stack.extend((child, f"{path}[{i}]") for i, child in enumerate(item))
+    return None
+
+
+def require_model(body: BaseModel, served: str) -> None:
+    model = getattr(body, "model", None)
+    if model is not None and model != served:
+        raise ServerError(404, "NotFoundError", f"model {model!r} does not exist; this server serves {served!r}",
+                          "model")

@@ -4,23 +4,34 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from slotserve.engine.async_llm import AsyncLLM, RequestStream
+from slotserve.entrypoints.openai.errors import as_server_error, unavailable
+from slotserve.entrypoints.openai.limits import RequestLimits
 from slotserve.entrypoints.openai.metrics import RequestTracker, ServerMetrics
-from slotserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from slotserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+)
 from slotserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from slotserve.pooling_params import PoolingParams
 from slotserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("slotserve")
 
 
 @dataclass
@@ -35,18 +46,55 @@ class _Choice:
     stop_reason: int | str | None = None
 
 
+class ClientDisconnectedError(Exception):
+    """The client went away before its answer was ready; its requests have been aborted."""
+
+
+class EngineStreamResponse(StreamingResponse):
+    """An SSE response that aborts its engine requests however it ends: done, failed, cancelled, or the
+    client gone (noticed while waiting for tokens too, not only when a write fails)."""
+
+    def __init__(self, content: AsyncIterator[str], streams: list[RequestStream]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def stream() -> None:
+            with contextlib.suppress(OSError):  # a write to a closed connection
+                await self.stream_response(send)
+            group.cancel_scope.cancel()
+
+        async def listen() -> None:
+            await self.listen_for_disconnect(receive)
+            group.cancel_scope.cancel()
+
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(stream)
+                group.start_soon(listen)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await _close(self.streams)
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model_name: str, metrics: ServerMetrics) -> None:
-        self.engine, self.model_name, self.metrics = engine, model_name, metrics
+    def __init__(self, engine: AsyncLLM, model_name: str, metrics: ServerMetrics, limits: RequestLimits,
+                 max_queued_sequences: int | None = None) -> None:
+        self.engine, self.model_name, self.metrics, self.limits = engine, model_name, metrics, limits
+        self.max_queued_sequences = max_queued_sequences
+        self._starting = 0  # sequences of requests still being tokenized: counted against the queue limit
 
     # ---- endpoints ----------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, raw: Request, request_id: str):
+        body.unsupported()
+        prompts = body.prompts()
+        body.check_limits(self.limits, len(prompts))
         logprobs = body.logprobs
         params = body.sampling_params(body.max_tokens, logprobs)
-        streams = await self._start(request_id, body.prompts(), params)
+        streams = await self._start(request_id, prompts, params)
         if body.stream:
-            return self._sse(self._completion_chunks(body, request_id, streams, params))
+            return self._sse(streams, self._completion_chunks(body, request_id, streams, params))
         choices, usage = await self._collect(raw, streams, params)
         return JSONResponse({
             "id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()),
@@ -58,20 +106,17 @@ class OpenAIServing:
         })
 
     async def chat(self, body: ChatCompletionRequest, raw: Request, request_id: str):
+        body.unsupported()
+        body.check_limits(self.limits, 1)
         top = body.top_logprobs if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise ValueError("top_logprobs: needs logprobs to be true")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling_params(max_tokens, (top or 0) if body.logprobs else None)
-        try:
-            prompt = self.engine.tokenizer.apply_chat_template(
-                [_flatten_content(m) for m in body.messages], tools=body.tools,
-                add_generation_prompt=body.add_generation_prompt, **(body.chat_template_kwargs or {}))
-        except TypeError as e:  # a template given a kwarg it cannot take
-            raise ValueError(f"chat_template_kwargs: {e}") from None
+        prompt = await asyncio.to_thread(self._render, body)
         streams = await self._start(request_id, [prompt], params)
         if body.stream:
-            return self._sse(self._chat_chunks(body, request_id, streams, params))
+            return self._sse(streams, self._chat_chunks(body, request_id, streams, params))
         choices, usage = await self._collect(raw, streams, params)
         return JSONResponse({
             "id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()),
@@ -83,10 +128,16 @@ class OpenAIServing:
         })
 
     async def embeddings(self, body: EmbeddingRequest, raw: Request, request_id: str):
-        streams = await self._start(request_id, body.prompts(), PoolingParams(dimensions=body.dimensions))
+        prompts = body.prompts()
+        body.check_limits(self.limits, len(prompts))
+        streams = await self._start(request_id, prompts, PoolingParams(dimensions=body.dimensions))
         vectors: dict[int, list[float]] = {}
-        async for i, out in self._merged(streams):
-            vectors[i] = out.embedding
+
+        async def run() -> None:
+            async for i, out in self._merged(streams):
+                vectors[i] = out.embedding
+
+        await _unless_disconnected(raw, run(), streams)
         prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
         self.metrics.track(request_id, prompt_tokens).finish("stop")
         data = []
@@ -98,6 +149,14 @@ class OpenAIServing:
         return JSONResponse({"object": "list", "data": data, "model": self.model_name,
                              "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}})
 
+    def _render(self, body: ChatCompletionRequest) -> str:
+        try:
+            return self.engine.tokenizer.apply_chat_template(
+                [_flatten_content(m) for m in body.messages], tools=body.tools,
+                add_generation_prompt=body.add_generation_prompt, **(body.chat_template_kwargs or {}))
+        except TypeError as e:  # a template given a kwarg it cannot take
+            raise ValueError(f"chat_template_kwargs: {e}") from None
+
     # ---- running requests ---------------------------------------------------------------------
 
     async def _start(self, request_id: str, prompts: list[str | list[int]],
@@ -105,46 +164,46 @@ class OpenAIServing:
         """Queues every prompt, or none: a bad one aborts those already queued."""
         if not prompts:
             raise ValueError("prompt: must not be empty")
+        need = len(prompts) * getattr(params, "n", 1)
+        limit = self.max_queued_sequences
+        if limit is not None:
+            if need > limit:
+                raise ValueError(f"n: {need} sequences can never fit the queue of {limit} (--max-queued-requests)")
+            if self.engine.num_sequences_in_flight + self._starting + need > limit:
+                raise unavailable(f"too many sequences in flight (limit {limit}); retry later")
+        self._starting += need
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, params))
         except BaseException:
-            for stream in streams:
-                await stream.aclose()
+            await _close(streams)
             raise
+        finally:
+            self._starting -= need
         return streams
 
     async def _merged(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Deltas of all prompts' requests as they arrive, tagged with the prompt's position."""
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, stream: RequestStream) -> None:
-            try:
-                async for out in stream:
-                    queue.put_nowait((i, out))
-            except BaseException as e:
-                queue.put_nowait((i, e))
-                raise
-            finally:
-                queue.put_nowait((i, None))
-
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        """Deltas of all prompts' requests as they arrive, tagged with the prompt's position. Each stream
+        is read only when the consumer asks for more, so a slow consumer gets merged deltas."""
+        waiting = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
         try:
-            remaining = len(tasks)
-            while remaining:
-                i, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield i, item
+            while waiting:
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                for future in sorted(done, key=waiting.get):
+                    i = waiting.pop(future)
+                    try:
+                        out = future.result()
+                    except StopAsyncIteration:
+                        continue
+                    yield i, out
+                    waiting[asyncio.ensure_future(anext(streams[i]))] = i
         finally:
-            for task in tasks:
-                task.cancel()
-            for stream in streams:
-                await stream.aclose()
+            for future in waiting:
+                if future.done() and not future.cancelled():
+                    future.exception()  # read, so asyncio does not report it as lost
+                future.cancel()
+            await _close(streams)
 
     async def _collect(self, raw: Request, streams: list[RequestStream],
                        params: SamplingParams) -> tuple[list[_Choice], dict[str, int]]:
@@ -159,28 +218,29 @@ class OpenAIServing:
                     _accumulate(choices.setdefault(i * params.n + comp.index, _Choice(i * params.n + comp.index)),
                                 comp)
 
-        task = asyncio.create_task(run())
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if not done and await raw.is_disconnected():
-                task.cancel()
-                tracker.finish("abort")
-                await asyncio.gather(task, return_exceptions=True)
-                raise asyncio.CancelledError("client disconnected")
-        task.result()
+        try:
+            await _unless_disconnected(raw, run(), streams)
+        except BaseException:
+            tracker.finish("abort")
+            raise
         ordered = [choices[k] for k in sorted(choices)]
         tracker.finish(*[c.finish_reason for c in ordered])
         return ordered, tracker.usage()
 
     # ---- streaming ----------------------------------------------------------------------------
 
-    def _sse(self, chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    def _sse(self, streams: list[RequestStream], chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
         async def body() -> AsyncIterator[str]:
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            try:
+                async for chunk in chunks:
+                    yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            except Exception as e:  # the status line is long gone: the error goes into the stream
+                error = as_server_error(e)
+                logger.warning("request %s ended with an error mid-stream: %s", streams[0].request_id, error)
+                yield f"data: {json.dumps(error.body(), ensure_ascii=False)}\n\n"
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(body(), media_type="text/event-stream")
+        return EngineStreamResponse(body(), streams)
 
     async def _completion_chunks(self, body: CompletionRequest, request_id: str, streams: list[RequestStream],
                                  params: SamplingParams) -> AsyncIterator[dict[str, Any]]:
@@ -227,6 +287,34 @@ class OpenAIServing:
                     yield {**base, "choices": [choice]}
         finally:
             tracker.finish(*(reasons or ["abort"]))
+
+
+async def _close(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        await stream.aclose()
+
+
+async def _unless_disconnected(raw: Request, work: Awaitable[None], streams: list[RequestStream]) -> None:
+    """Awaits `work`; if the client disconnects first, aborts it (and its streams) and raises
+    ClientDisconnectedError."""
+    task = asyncio.ensure_future(work)
+
+    async def listen() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    listener = asyncio.create_task(listen())
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await _close(streams)
+    if task.cancelled():
+        raise ClientDisconnectedError("the client disconnected")
+    task.result()
 
 
 def _accumulate(choice: _Choice, comp: CompletionOutput) -> None:

@@ -1,0 +1,43 @@
+"""Failure injection for tests: `SLOTSERVE_FAULT=<point>:<n>` makes the nth pass through <point> raise.
+
+Each thread of the engine and the front end's event receiver has one point, so a test can kill each in
+turn and check that the engine ends cleanly instead of wedging. Unset, a check costs one dict lookup.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+
+FAULT_ENV = "SLOTSERVE_FAULT"
+
+
+class FaultPoint(enum.Enum):
+    CORE_STEP = "core-step"  # EngineCoreLoop, before each engine step
+    OUTPUT = "output"  # OutputProcessor, before each batch of outputs
+    IPC = "ipc"  # IPCLoop, before each command it routes
+    FRONTEND_EVENTS = "frontend-events"  # the front end's receiver, before each event
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+_passes: dict[FaultPoint, int] = {}
+
+
+def fault_spec(point: FaultPoint, at: int) -> dict[str, str]:
+    """The environment that makes the `at`th pass through `point` fail."""
+    return {FAULT_ENV: f"{point.value}:{at}"}
+
+
+def check(point: FaultPoint) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    name, _, at = spec.partition(":")
+    if name != point.value:
+        return
+    _passes[point] = _passes.get(point, 0) + 1
+    if _passes[point] == int(at):
+        raise InjectedFault(f"{FAULT_ENV}: pass {at} through {point.value} fails on purpose")
