@@ -1,6 +1,8 @@
 """The AMX GEMM (kernels/amx_gemm.c): which weights it packs, that its products are exact and its sums as
 close to float64 as a float32 GEMM's, that a row's bits do not depend on its batch, and the engine on it:
-parity with transformers and the fused decode step's bits. Skipped where AMX does not run."""
+parity with transformers and the fused decode step's bits. The packing (which weights pack, in which form, the
+packed layout and its values) is checked wherever the kernels build, against a torch reading of the layout; what
+runs AMX's tile instructions only where AMX does (test_byte_rows.py: the few-row kernel without AMX)."""
 
 from __future__ import annotations
 
@@ -9,12 +11,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
-from slotserve.kernels import amx_gemm
+from slotserve.kernels import amx_gemm, native
 from slotserve.layers.linear import Linear
 from slotserve.models.loader import load_model
 from tests.conftest import build_tiny_model
 
-pytestmark = pytest.mark.skipif(not amx_gemm.available(), reason="no AMX here")
+pytestmark = pytest.mark.skipif(not amx_gemm.packs(), reason="native kernels not built here")
+needs_amx = pytest.mark.skipif(not amx_gemm.available(), reason="no AMX here")
 
 
 def _block_scaled(n: int, k: int, levels: int, seed: int = 0) -> torch.Tensor:
@@ -59,10 +62,116 @@ def _offsets(w: torch.Tensor) -> bool | None:
     return None if packed is None else packed.offsets is not None
 
 
+def _pack(w: torch.Tensor, narrow: bool, halves: bool = False, offsets: bool = False):
+    """slotserve_amx_pack called in one form (AmxWeight.pack tries them in turn, and bfloat16 values only where
+    AMX runs): its answer, and the values, scales and offsets (None without) it wrote."""
+    pack = native.require(native.function(amx_gemm.SOURCE, "slotserve_amx_pack", amx_gemm._PACK_ARGS),
+                          amx_gemm.SOURCE)
+    n, k = w.shape
+    scalars = -(-n // amx_gemm.PAIR) * amx_gemm.PAIR * (k // amx_gemm.BLOCK) * (2 if halves else 1)
+    values = torch.zeros(-(-n // amx_gemm.PAIR) * amx_gemm.PAIR * k, dtype=torch.int8 if narrow else torch.int16)
+    scales, offs = torch.zeros(scalars), torch.zeros(scalars) if offsets else None
+    fit = pack(w.data_ptr(), n, k, None if offs is None else offs.data_ptr(), values.data_ptr(), scales.data_ptr(),
+               narrow, halves, torch.get_num_threads())
+    return fit, values, scales, offs
+
+
+def _unpack(values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, k: int, halves: bool):
+    """A packing read back in torch as amx_gemm.c's comment lays it out, for all rows (padding included): each
+    value [rows, k] (int8 ones less their 128, bfloat16 ones as floats), and its scale and offset [rows, k]."""
+    rows, blocks, segments = values.numel() // k, k // amx_gemm.BLOCK, 2 if halves else 1
+    pairs, tile = rows // amx_gemm.PAIR, amx_gemm.PAIR // 2
+    if values.dtype == torch.int8:  # per pair and block: [2 tiles][8 k-quads][16 rows][4], plus 128
+        v = values.view(torch.uint8).double() - 128
+        v = v.reshape(pairs, blocks, 2, amx_gemm.BLOCK // 4, tile, 4)
+    else:  # [2 tiles][16 k-pairs][16 rows][2], bfloat16 bits
+        v = values.view(torch.bfloat16).double().reshape(pairs, blocks, 2, amx_gemm.BLOCK // 2, tile, 2)
+    v = v.permute(0, 2, 4, 1, 3, 5).reshape(rows, k)  # to [pair][tile][row][block][k-group][k]
+
+    def per_value(t: torch.Tensor) -> torch.Tensor:  # [pair][block][half][PAIR] to one per value
+        t = t.double().reshape(pairs, blocks, segments, amx_gemm.PAIR).permute(0, 3, 1, 2)
+        return t.reshape(rows, blocks * segments).repeat_interleave(amx_gemm.BLOCK // segments, dim=1)
+
+    return v, per_value(scales), torch.zeros_like(v) if offsets is None else per_value(offsets)
+
+
+def _packing_weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {"q8_0": _block_scaled(70, 128, 128), "q5_0": _block_scaled(70, 128, 16), "q4_k": _q4_k(70, 128),
+            "q6_k": _q6_k(70, 128), "bf16": torch.randn(70, 128, generator=g).bfloat16().float(),
+            "float32": torch.randn(70, 128, generator=g)}
+
+
+# Forms (narrow, halves, offsets), and what slotserve_amx_pack answers for each weight in each: 0 packed,
+# -1 some block has no such form, -2 every block has but not in int8.
+FORMS = [(True, False, False), (True, True, False), (False, False, False), (True, False, True), (True, True, True),
+         (False, False, True)]
+FITS = {"q8_0": [0, 0, 0, -2, -2, 0], "q5_0": [0, 0, 0, 0, 0, 0], "q4_k": [-1, -1, -1, 0, 0, 0],
+        "q6_k": [-1, 0, -1, -1, 0, -1], "bf16": [-2, -2, 0, -1, -1, -1], "float32": [-1] * 6}
+
+
+@pytest.mark.parametrize("kind", FITS)
+def test_each_weight_packs_in_its_forms_and_reads_back_exactly(kind):
+    """Every form a weight has packs it exactly: scale * value + offset, in float64, is the weight; the padding
+    rows past N are zero values under a scale of 1 and no offset."""
+    w = _packing_weights()[kind]
+    n, k = w.shape
+    fits = []
+    for narrow, halves, offsets in FORMS:
+        fit, values, scales, offs = _pack(w, narrow, halves, offsets)
+        fits.append(fit)
+        if fit:
+            continue
+        v, scale, offset = _unpack(values, scales, offs, k, halves)
+        assert torch.equal(v[:n] * scale[:n] + offset[:n], w.double()), (narrow, halves, offsets)
+        assert not v[n:].any() and (scale[n:] == 1).all() and not offset[n:].any()
+    assert fits == FITS[kind]
+
+
+def test_the_packed_bytes_are_where_the_layout_puts_them():
+    """A weight of integers with a 1 in each half block (so every scale is 1, every offset 0): its bytes, built
+    in torch from the layout (tile pairs of 32 rows, blocks of 32 along K, 16-row tiles, k-quads of int8 values
+    plus 128 or k-pairs of bfloat16 bits), are the packing's."""
+    n, k = 40, 96  # a second, partial pair of tiles: rows 40..63 are padding
+    g = torch.Generator().manual_seed(5)
+    w = torch.randint(-128, 128, (n, k), generator=g).float()
+    w[:, ::16] = 1.0
+    rows, pairs, blocks = 64, 2, k // amx_gemm.BLOCK
+    padded = torch.cat([w, torch.zeros(rows - n, k)])
+    quads = padded.reshape(pairs, 2, 16, blocks, 8, 4).permute(0, 3, 1, 4, 2, 5)  # [pair][block][tile][quad][row]
+    pairs_of_k = padded.reshape(pairs, 2, 16, blocks, 16, 2).permute(0, 3, 1, 4, 2, 5)
+    for narrow, halves in ((True, False), (True, True), (False, False)):
+        fit, values, scales, offsets = _pack(w, narrow, halves)
+        assert fit == 0 and offsets is None and (scales == 1).all()
+        assert scales.numel() == pairs * blocks * amx_gemm.PAIR * (2 if halves else 1)
+        if narrow:
+            assert torch.equal(values.view(torch.uint8), (quads + 128).to(torch.uint8).flatten())
+        else:
+            assert torch.equal(values, pairs_of_k.bfloat16().flatten().view(torch.int16))
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q5_0", "q4_k", "q6_k"])
+def test_a_packed_weight_holds_its_form(kind):
+    """AmxWeight.pack's buffers: the first form that fits (int8 values where they can be, no offsets where none
+    are needed, scales per half block only where whole blocks do not fit), read back to the weight exactly; what
+    a call streams is those buffers' bytes."""
+    w = _packing_weights()[kind]
+    n, k = w.shape
+    packed = amx_gemm.AmxWeight.pack(w)
+    assert (packed.narrow, packed.halves, packed.offsets is not None) == {
+        "q8_0": (True, False, False), "q5_0": (True, False, False), "q4_k": (True, False, True),
+        "q6_k": (True, True, False)}[kind]
+    v, scale, offset = _unpack(packed.values, packed.scales, packed.offsets, k, packed.halves)
+    assert torch.equal(v[:n] * scale[:n] + offset[:n], w.double())
+    rows, scalars = 3 * amx_gemm.PAIR, 3 * amx_gemm.PAIR * k // amx_gemm.BLOCK * (2 if packed.halves else 1)
+    assert packed.nbytes == rows * k + 4 * scalars * (2 if packed.offsets is not None else 1)
+
+
 def test_packs_block_scaled_weights_and_nothing_else():
     assert _offsets(_block_scaled(40, 96, 16)) is False  # Q5_0-like
     assert _offsets(_block_scaled(40, 96, 127)) is False  # Q8_0-like
-    assert _offsets(torch.randn(40, 96).bfloat16().float()) is False
+    # bfloat16 values: 2 bytes a value, packed where AMX runs them (the few-row kernel takes int8 alone)
+    assert _offsets(torch.randn(40, 96).bfloat16().float()) is (False if amx_gemm.available() else None)
     assert _offsets(_q4_k(40, 96)) is True
     assert _offsets(torch.randn(40, 96).half().float()) is None  # float16 values have 11 bits
     assert amx_gemm.AmxWeight.pack(torch.randn(40, 96)) is None  # float32 values need more than 8 bits
@@ -78,6 +187,7 @@ def test_packs_block_scaled_weights_and_nothing_else():
     assert amx_gemm.AmxWeight.pack(w) is None
 
 
+@needs_amx
 @pytest.mark.parametrize("weight,narrow", [
     (_block_scaled(70, 128, 128), True),  # Q8_0-like, -128 included
     (_block_scaled(70, 128, 16), True),  # Q5_0-like
@@ -97,7 +207,8 @@ def test_integer_blocks_pack_in_a_byte_a_value_with_the_same_bits(weight, narrow
 
 @pytest.mark.parametrize("kind", WEIGHTS)
 @pytest.mark.parametrize("n,k", [(40, 96), (1152, 896), (70, 4864)])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 13, 32, 45])  # a narrow packing's few-row kernel, then AMX
+@pytest.mark.parametrize("rows", [pytest.param(rows, marks=needs_amx if rows > amx_gemm.FEW_ROWS else ())
+                                  for rows in (1, 3, 4, 5, 13, 32, 45)])  # a narrow packing's few-row kernel, then AMX
 def test_as_close_to_float64_as_a_float32_gemm(kind, n, k, rows):
     assert_as_close_to_float64_as_a_float32_gemm(kind, n, k, rows)
 
@@ -112,6 +223,7 @@ def assert_as_close_to_float64_as_a_float32_gemm(kind: str, n: int, k: int, rows
     assert err <= 2 * fp32_err + 1e-6
 
 
+@needs_amx
 @pytest.mark.parametrize("kind", WEIGHTS)
 def test_a_row_gets_the_same_bits_in_any_batch(kind):
     packed = amx_gemm.AmxWeight.pack(WEIGHTS[kind](100, 128), torch.randn(100))
@@ -121,13 +233,21 @@ def test_a_row_gets_the_same_bits_in_any_batch(kind):
     for rows in (amx_gemm.FEW_ROWS + 1, 31, 32, 33, 64, 70):
         assert torch.equal(packed(x[:rows]), whole[:rows])
     assert torch.equal(packed(x[40:46])[0], whole[40])
-    # Fewer rows take a narrow packing's few-row kernel: the same bits in any batch of those.
-    few = packed(x[:amx_gemm.FEW_ROWS])
+
+
+@pytest.mark.parametrize("kind", WEIGHTS)
+def test_a_row_gets_the_same_bits_in_any_batch_of_few_rows(kind):
+    """Fewer rows take a narrow packing's few-row kernel (vector units, AMX or not): the same bits in any batch
+    of those."""
+    packed = amx_gemm.AmxWeight.pack(WEIGHTS[kind](100, 128), torch.randn(100))
+    x = torch.randn(amx_gemm.FEW_ROWS, 128)
+    few = packed(x)
     for rows in range(1, amx_gemm.FEW_ROWS):
         assert torch.equal(packed(x[:rows]), few[:rows])
     assert torch.equal(packed(x[3:4])[0], few[3]) and torch.equal(packed(x[1:3]), few[1:3])
 
 
+@needs_amx
 @pytest.mark.parametrize("narrow", [False, True])
 def test_a_linear_runs_on_amx_from_min_rows_on_and_on_a_narrow_packing_always(narrow):
     layer = Linear(96, 64, bias=False).requires_grad_(False)
@@ -151,6 +271,7 @@ def assert_a_linear_runs_packed_where_its_packing_runs(layer: Linear, row_counts
         assert torch.equal(ours, packed(x) if packed.runs(rows) else unpacked)
 
 
+@needs_amx
 @pytest.mark.parametrize("narrow", [False, True])
 def test_a_linear_says_what_bytes_a_call_reads(narrow):
     layer = Linear(96, 64, bias=False).requires_grad_(False)
@@ -163,7 +284,8 @@ def test_a_linear_says_what_bytes_a_call_reads(narrow):
     assert layer.streamed_bytes(1) == (packed_bytes if narrow else layer.weight.nbytes)
 
 
-@pytest.mark.parametrize("weight", [_q4_k(64, 96), torch.randn(64, 96).bfloat16().float()])
+@pytest.mark.parametrize("weight", [_q4_k(64, 96),
+                                    pytest.param(torch.randn(64, 96).bfloat16().float(), marks=needs_amx)])
 def test_no_rows_give_no_rows(weight):
     packed = amx_gemm.AmxWeight.pack(weight)
     assert packed(torch.empty(0, 96)).shape == (0, 64) and not packed.runs(0)
@@ -178,18 +300,21 @@ def test_scales_per_half_block_pack_for_few_rows_only():
         packed(torch.randn(amx_gemm.FEW_ROWS + 1, 96))
 
 
-def test_bad_input_is_refused():
-    packed = amx_gemm.AmxWeight.pack(torch.randn(64, 64).bfloat16().float())
+@pytest.mark.parametrize("weight", [_block_scaled(64, 64, 16),
+                                    pytest.param(torch.randn(64, 64).bfloat16().float(), marks=needs_amx)])
+def test_bad_input_is_refused(weight):
+    packed = amx_gemm.AmxWeight.pack(weight)
     with pytest.raises(ValueError, match="x"):
         packed(torch.randn(3, 65))
     with pytest.raises(ValueError, match="bias"):
-        amx_gemm.AmxWeight.pack(torch.randn(64, 64).bfloat16().float(), torch.randn(63))
+        amx_gemm.AmxWeight.pack(weight, torch.randn(63))
 
 
 def _runner(path) -> ModelRunner:
     return ModelRunner(*load_model(path, torch.float32, torch.device("cpu")), num_blocks=64, block_size=4)
 
 
+@needs_amx
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_a_bfloat16_checkpoint_runs_on_amx_and_matches_transformers(tmp_path, arch):
     hf = build_tiny_model(tmp_path, arch, dtype=torch.bfloat16)
@@ -213,6 +338,7 @@ def test_a_bfloat16_checkpoint_runs_on_amx_and_matches_transformers(tmp_path, ar
     assert all((r[0] - short).abs().max().item() <= 1e-4 for r in rows[1:])
 
 
+@needs_amx
 def test_the_fused_step_on_amx_has_the_layer_paths_bits(tmp_path):
     build_tiny_model(tmp_path, "qwen2", dtype=torch.bfloat16)
     weights = load_file(tmp_path / "model.safetensors")

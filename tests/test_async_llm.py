@@ -125,3 +125,32 @@ def test_moe_model_serves_like_a_dense_one(tmp_path):
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_reader_that_falls_behind_gets_one_merged_delta(tiny_qwen3):
+    """Nothing is read until the engine has finished: the deltas of every step arrive as one output, with the
+    whole text, every token and logprob, and each sequence's finish once; repeated ids do not mix."""
+    expected = _offline(tiny_qwen3)
+
+    async def main():
+        engine = await AsyncLLM.create(_config(tiny_qwen3))
+        try:
+            params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+            stream = await engine.add_request("same", PROMPTS[1], params)
+            other = await engine.add_request("same", PROMPTS[2], params)  # a caller's id may repeat
+            for _ in range(200):
+                stats = await engine.stats()
+                if stats.running == 0 and stats.waiting == 0:
+                    break
+                await asyncio.sleep(0.02)
+            outputs = [out async for out in stream]
+            assert len(outputs) == 1 and outputs[0].finished and outputs[0].request_id == "same"
+            completion = outputs[0].outputs[0]
+            assert (completion.text, completion.token_ids) == expected[1]
+            assert len(completion.logprobs) == 12 and completion.finish_reason == "length"
+            assert outputs[0].prompt_token_ids == stream.prompt_token_ids and outputs[0].prompt == PROMPTS[1]
+            assert [out.outputs[0].text async for out in other] == [expected[2][0]]
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())

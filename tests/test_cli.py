@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from tests.helpers import assert_figures
+
 TINY_ARGS = ["--kv-cache-memory", "8M", "--temperature", "0"]
 
 
@@ -53,7 +55,7 @@ def test_bench_latency_prints_json(tiny_qwen3):
                  "--input-len", "32", "--output-len", "4", "--repeats", "1")
     assert result.returncode == 0, result.stderr
     figures = json.loads(result.stdout.strip().splitlines()[-1])
-    assert figures["prefill_tokens_per_s"] > 0 and figures["decode_tokens_per_s"] > 0
+    assert_figures(figures, "prefill_tokens_per_s", "decode_tokens_per_s")
 
 
 def test_bench_throughput_and_attention_print_json(tiny_qwen3):
@@ -63,39 +65,38 @@ def test_bench_throughput_and_attention_print_json(tiny_qwen3):
     assert result.returncode == 0, result.stderr
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["requests"] == 4 and figures["output_tokens"] == 16
-    assert figures["transformers_generate"]["output_tokens"] == 16 and figures["speedup_vs_transformers"] > 0
-    assert len(figures["transformers_rounds"]) == 2 and all(r["speedup"] > 0 for r in figures["transformers_rounds"])
-    assert 0 < figures["first_tokens_seconds"] < figures["seconds"]
-    assert 0 < figures["transformers_generate"]["first_tokens_seconds"] < figures["transformers_generate"]["seconds"]
-    assert figures["speedup_vs_transformers_to_first_tokens"] > 0
-    assert figures["speedup_vs_transformers_after_first_tokens"] > 0
-    assert figures["one_at_a_time"]["requests"] == 2 and figures["speedup_vs_one_at_a_time"] > 0
+    assert figures["transformers_generate"]["output_tokens"] == 16 and figures["one_at_a_time"]["requests"] == 2
+    assert len(figures["transformers_rounds"]) == 2
+    for r in figures["transformers_rounds"]:
+        assert_figures(r, "speedup")
+    assert_figures(figures, "seconds", "first_tokens_seconds", "transformers_generate.seconds",
+                   "transformers_generate.first_tokens_seconds", "speedup_vs_transformers",
+                   "speedup_vs_transformers_to_first_tokens", "speedup_vs_transformers_after_first_tokens",
+                   "speedup_vs_one_at_a_time")
     # Counted by hand for the tiny Qwen3 (hidden 64, 4 heads of 32, 2 KV heads, MLP 128, 2 layers, tied head):
     # 19 tokens of each prompt through 2 x 49,152 linear weights, 4 head rows of 64 x 151,936, and
     # 19 * 20 / 2 attention pairs of 4 FLOPs x 2 layers x 4 heads x 32 dims.
     bound = figures["gemm_bound"]
     assert bound["flops"] == 4 * (2 * 98_304 * 19 + 2 * 64 * 151_936 * 4 + 1024 * 19 * 20 // 2)
-    assert bound["gemm_fp32_GFLOPs"] > 0 and 0 < bound["fraction_of_gemm_bound"] < 1
-    assert figures["speedup_vs_transformers_at_gemm_bound"] > 0
-    # No GEMM outruns the multiply-add units: the peak is at least the GEMM's rate (with room for noise).
+    assert_figures(figures, "gemm_bound.gemm_fp32_GFLOPs", "gemm_bound.fraction_of_gemm_bound",
+                   "speedup_vs_transformers_at_gemm_bound", "fma_peak.GFLOPs", "fma_peak.fraction_of_fma_peak",
+                   "fma_peak.seconds", "speedup_vs_transformers_at_fma_peak")
+    # The peak's seconds are the counted FLOPs at its rate (arithmetic on the JSON's figures, not a timing claim).
     peak = figures["fma_peak"]
-    assert peak["GFLOPs"] > 0.7 * bound["gemm_fp32_GFLOPs"] and 0 < peak["fraction_of_fma_peak"] < 1
     assert peak["seconds"] == pytest.approx(bound["flops"] / (peak["GFLOPs"] * 1e9), rel=1e-2, abs=1e-3)
-    assert figures["speedup_vs_transformers_at_fma_peak"] > 0
     result = run("bench", "embed", "-m", str(tiny_qwen3), "--kv-cache-memory", "8M", "--num-sentences", "5")
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout.strip().splitlines()[-1])["embeddings_per_s"] > 0
+    assert_figures(json.loads(result.stdout.strip().splitlines()[-1]), "embeddings_per_s")
     result = run("bench", "kernels", "-m", str(tiny_qwen3), "--kv-cache-memory", "8M", "--prefill-len", "32",
                  "--batch", "4", "--context-len", "16", "--decode-steps", "2", "--repeats", "1")
     assert result.returncode == 0, result.stderr
     kernels = json.loads(result.stdout.strip().splitlines()[-1])
-    assert kernels["memory_read_GBps"] > 0 and kernels["decode_batch1"]["fraction_of_bound"] > 0
     assert kernels["decode_attention"] in ("paged", "batched") and isinstance(kernels["native_small_gemm"], bool)
-    assert isinstance(kernels["weights_in_huge_pages"], bool) and kernels["memory_read_torch_alloc_GBps"] > 0
-    assert kernels["memory_read_torch_sum_GBps"] > 0
-    assert kernels["prefill"]["gemm_bound_GFLOPs"] > 0 and kernels["decode_batched"]["gemm_bound_GFLOPs"] > 0
-    assert kernels["fma_peak_GFLOPs"] > 0.7 * kernels["gemm_fp32_GFLOPs"]
-    assert all(0 < kernels[part]["fraction_of_fma_peak"] < 1 for part in ("prefill", "decode_batched"))
+    assert isinstance(kernels["weights_in_huge_pages"], bool)
+    assert_figures(kernels, "memory_read_GBps", "decode_batch1.fraction_of_bound", "memory_read_torch_alloc_GBps",
+                   "memory_read_torch_sum_GBps", "prefill.gemm_bound_GFLOPs", "decode_batched.gemm_bound_GFLOPs",
+                   "fma_peak_GFLOPs", "gemm_fp32_GFLOPs", "prefill.fraction_of_fma_peak",
+                   "decode_batched.fraction_of_fma_peak")
     result = run("bench", "kernels", "-m", str(tiny_qwen3), "--kv-cache-memory", "8M", "--prefill-len", "32",
                  "--batch", "4", "--context-len", "16", "--decode-steps", "2", "--repeats", "1",
                  "--quantization", "int8")
@@ -106,7 +107,7 @@ def test_bench_throughput_and_attention_print_json(tiny_qwen3):
     assert int8["decode_batch1"]["bytes_per_token_MB"] < kernels["decode_batch1"]["bytes_per_token_MB"] / 3
     result = run("bench", "attention", "--num-seqs", "4", "--context-len", "40", "--repeats", "2")
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["batched_gather_ms"] > 0
+    assert_figures(json.loads(result.stdout), "batched_gather_ms")
 
 
 def test_errors_are_one_clear_line(tmp_path):

@@ -220,11 +220,13 @@ def test_real_default_model(monkeypatch):
     start = time.perf_counter()
     out = resolve_model(DEFAULT_MODEL)
     first = time.perf_counter() - start
+    # Reused, not redone (whatever it took: no timing claim): neither the parts nor the conversion are read again.
+    monkeypatch.setattr(model_store, "_part_files", _must_not_run)
+    monkeypatch.setattr(model_store, "convert_gguf", _must_not_run)
     start = time.perf_counter()
     assert resolve_model(DEFAULT_MODEL) == out
     reuse = time.perf_counter() - start
     print(f"\nresolve {DEFAULT_MODEL}: first {first:.1f} s, reuse {reuse * 1000:.0f} ms")
-    assert reuse < 1.0
 
     cfg = ModelConfig.from_dir(out)
     assert (cfg.architecture, cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size) == (

@@ -1,5 +1,9 @@
 """`slotserve bench serve`: load a running server with streamed completions and report request
-throughput, output tokens/s, TTFT, TPOT and ITL (mean, median, p99)."""
+throughput, output tokens/s, TTFT, TPOT and ITL (mean, median, p99).
+
+With `--duration`, requests keep coming for that long at `--max-concurrency`; with `--cancel-fraction`,
+that share of the streams is dropped by the client after a random number of tokens. Afterwards the
+server's /metrics tell whether every sequence ended and every KV block went back to the pool."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import httpx
 @dataclass
 class _Result:
     ok: bool = False
+    cancelled: bool = False  # the client dropped the stream on purpose
     error: str | None = None
     ttft: float = 0.0
     e2e: float = 0.0
@@ -38,9 +43,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, Poisson arrivals (default: all at once)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--duration", type=float, default=None,
+                   help="seconds to keep sending requests (at --max-concurrency) instead of --num-prompts")
+    p.add_argument("--cancel-fraction", type=float, default=0.0,
+                   help="share of the streams the client drops after a random number of tokens")
+    p.add_argument("--settle-timeout", type=float, default=30.0,
+                   help="seconds to wait afterwards for the server to report no sequence and every KV block free")
 
 
-async def _one(client: httpx.AsyncClient, body: dict[str, Any], limit: asyncio.Semaphore | None) -> _Result:
+async def _one(client: httpx.AsyncClient, body: dict[str, Any], limit: asyncio.Semaphore | None,
+               cancel_after: int | None = None) -> _Result:
+    """One streamed completion; `cancel_after` chunks with text, then the client closes the stream."""
     result = _Result()
     async with limit or contextlib.nullcontext():
         start = last = time.perf_counter()
@@ -63,6 +76,9 @@ async def _one(client: httpx.AsyncClient, body: dict[str, Any], limit: asyncio.S
                     else:
                         result.itls.append(now - last)
                     last = now
+                    if cancel_after is not None and len(result.itls) + 1 >= cancel_after:
+                        result.cancelled = True
+                        return result
             result.e2e = time.perf_counter() - start
             result.ok = True
         except httpx.HTTPError as e:
@@ -85,27 +101,39 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=None,
                                  limits=httpx.Limits(max_connections=None)) as client:
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
-        limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        tasks = []
-        start = time.perf_counter()
-        for _ in range(args.num_prompts):
+
+        def request() -> tuple[dict[str, Any], int | None]:
             body = {"model": model, "prompt": [rng.randrange(1000, 100_000) for _ in range(args.input_len)],
                     "max_tokens": args.output_len, "temperature": 0, "ignore_eos": True, "stream": True,
                     "stream_options": {"include_usage": True}}
-            tasks.append(asyncio.create_task(_one(client, body, limit)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        results = await asyncio.gather(*tasks)
+            cancel = rng.random() < args.cancel_fraction
+            return body, rng.randrange(1, max(args.output_len, 2)) if cancel else None
+
+        start = time.perf_counter()
+        if args.duration is not None:
+            results = await _for_duration(client, request, args.duration, args.max_concurrency or 1)
+        else:
+            limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+            tasks = []
+            for _ in range(args.num_prompts):
+                body, cancel_after = request()
+                tasks.append(asyncio.create_task(_one(client, body, limit, cancel_after)))
+                if args.request_rate != float("inf"):
+                    await asyncio.sleep(rng.expovariate(args.request_rate))
+            results = await asyncio.gather(*tasks)
         seconds = time.perf_counter() - start
+        after = await _settled(client, args.settle_timeout)
     done = [r for r in results if r.ok]
+    cancelled = [r for r in results if r.cancelled]
     output_tokens = sum(r.output_tokens for r in done)
     tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
     return {
         "bench": "serve", "base_url": args.base_url, "model": model,
-        "num_prompts": args.num_prompts, "completed": len(done), "failed": len(results) - len(done),
+        "num_prompts": len(results), "completed": len(done), "cancelled": len(cancelled),
+        "failed": len(results) - len(done) - len(cancelled),
         "errors": sorted({r.error for r in results if r.error})[:3],
         "input_len": args.input_len, "output_len": args.output_len,
-        "max_concurrency": args.max_concurrency,
+        "max_concurrency": args.max_concurrency, "duration": args.duration, "cancel_fraction": args.cancel_fraction,
         "request_rate": None if args.request_rate == float("inf") else args.request_rate,
         "seconds": round(seconds, 3),
         "request_throughput": round(len(done) / seconds, 3),
@@ -114,7 +142,39 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "ttft_ms": _summary([r.ttft for r in done]),
         "tpot_ms": _summary(tpots),
         "itl_ms": _summary([x for r in done for x in r.itls]),
+        "after": after,
     }
+
+
+async def _for_duration(client: httpx.AsyncClient, request, duration: float, concurrency: int) -> list[_Result]:
+    """`concurrency` clients, each sending its next request when the last one ends, until `duration` is up."""
+    deadline = time.perf_counter() + duration
+    results: list[_Result] = []
+
+    async def client_loop() -> None:
+        while time.perf_counter() < deadline:
+            body, cancel_after = request()
+            results.append(await _one(client, body, None, cancel_after))
+
+    await asyncio.gather(*[client_loop() for _ in range(concurrency)])
+    return results
+
+
+async def _settled(client: httpx.AsyncClient, timeout: float) -> dict[str, Any]:
+    """The server's gauges once nothing runs or waits and every KV block is free (or as they are at the
+    timeout): `settled` says which."""
+    deadline = time.perf_counter() + timeout
+    while True:
+        text = (await client.get("/metrics")).text
+        gauges = {line.split("{")[0].removeprefix("slotserve:"): float(line.rsplit(" ", 1)[1])
+                  for line in text.splitlines() if line.startswith("slotserve:") and "_bucket" not in line}
+        state = {name: gauges.get(name) for name in ("num_requests_running", "num_requests_waiting",
+                                                     "kv_cache_blocks", "kv_cache_free_blocks")}
+        settled = (state["num_requests_running"] == 0 and state["num_requests_waiting"] == 0
+                   and state["kv_cache_free_blocks"] == state["kv_cache_blocks"])
+        if settled or time.perf_counter() > deadline:
+            return {"settled": settled, **state}
+        await asyncio.sleep(0.1)
 
 
 def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:

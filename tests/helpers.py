@@ -1,0 +1,22 @@
+"""Checks shared by the tests."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+
+def assert_figures(figures: Mapping[str, Any], *keys: str) -> None:
+    """Each key (a dotted path into nested mappings: "fma_peak.GFLOPs") names a finite number > 0 in `figures`.
+
+    What a benchmark's measured times and rates are checked for, and all: how they compare with each other
+    (a fraction of a peak under 1, one time under another, a speedup) depends on the CPU and its load, so no
+    test asserts it."""
+    for key in keys:
+        value: Any = figures
+        for part in key.split("."):
+            assert isinstance(value, Mapping) and part in value, f"{key}: no {part!r} in {value!r}"
+            value = value[part]
+        assert isinstance(value, int | float) and not isinstance(value, bool), f"{key}: {value!r} is not a number"
+        assert math.isfinite(value) and value > 0, f"{key}: {value!r} is not a finite figure > 0"
