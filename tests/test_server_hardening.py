@@ -147,18 +147,26 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(server):
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
 
 
-def test_queue_limit_counts_sequences(tiny_qwen3):
-    srv = Server(tiny_qwen3, "--max-queued-requests", "4")
+def test_queue_limit_counts_sequences_and_tokenize_needs_the_api_key(tiny_qwen3):
+    srv = Server(tiny_qwen3, "--max-queued-requests", "4", "--api-key", "s3cret")
+    key = {"Authorization": "Bearer s3cret"}
     try:
-        events = srv.sse("/v1/completions", {"prompt": "hi", "n": 3, "stream": True, **LONG})
+        for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1, 2]})):
+            _is_error_body(_post(srv, path, body), 401)
+            ok = _post(srv, path, body, headers=key)
+            assert ok.status_code == 200, ok.text
+        assert httpx.get(f"{srv.url}/health").status_code == 200 and httpx.get(f"{srv.url}/metrics").status_code == 200
+
+        events = srv.sse("/v1/completions", {"prompt": "hi", "n": 3, "stream": True, **LONG}, headers=key)
         next(events)
-        assert "too many sequences" in _is_error_body(_post(srv, "/v1/completions", {"prompt": "hi", "n": 2}),
-                                                      503)["message"]
-        assert _is_error_body(_post(srv, "/v1/completions", {"prompt": "hi", "n": 5}), 400)["param"] == "n"
-        assert _complete(srv, "hi", max_tokens=2)["usage"]["completion_tokens"] == 2  # the fourth slot is free
+        full = _post(srv, "/v1/completions", {"prompt": "hi", "n": 2}, headers=key)
+        assert "too many sequences" in _is_error_body(full, 503)["message"]
+        assert _is_error_body(_post(srv, "/v1/completions", {"prompt": "hi", "n": 5}, headers=key), 400)["param"] == "n"
+        one = _post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, headers=key)  # the fourth slot
+        assert one.json()["usage"]["completion_tokens"] == 2
         events.close()
         _engine_idle(srv)
-        assert _post(srv, "/v1/completions", {"prompt": "hi", "n": 4, "max_tokens": 2}).status_code == 200
+        assert _post(srv, "/v1/completions", {"prompt": "hi", "n": 4, "max_tokens": 2}, headers=key).status_code == 200
     finally:
         assert srv.stop() == 0
 
@@ -197,18 +205,6 @@ def test_fields_that_change_nothing_are_accepted(server):
         "max_tokens": 2, "user": "someone", "metadata": {"k": "v"}, "store": False, "response_format": {"type": "text"},
         "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "none"})
     assert response.status_code == 200, response.text
-
-
-def test_tokenize_needs_the_api_key(tiny_qwen3):
-    srv = Server(tiny_qwen3, "--api-key", "s3cret")
-    try:
-        for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1, 2]})):
-            _is_error_body(_post(srv, path, body), 401)
-            ok = _post(srv, path, body, headers={"Authorization": "Bearer s3cret"})
-            assert ok.status_code == 200, ok.text
-        assert httpx.get(f"{srv.url}/health").status_code == 200 and httpx.get(f"{srv.url}/metrics").status_code == 200
-    finally:
-        assert srv.stop() == 0
 
 
 # ---- streams -------------------------------------------------------------------------------------
@@ -261,7 +257,7 @@ def test_a_disconnect_aborts_every_sequence_it_started(server):
 def test_a_failure_in_any_thread_ends_the_engine_cleanly(tiny_qwen3, point):
     """Each thread in turn raises: in-flight requests end with an error (a stream with an error event and
     [DONE]), /health turns 503, and the server exits with code 1 for a supervisor to restart."""
-    srv = Server(tiny_qwen3, "--engine-death-exit-delay", "3", env=fault_spec(point, 8))
+    srv = Server(tiny_qwen3, "--engine-death-exit-delay", "2", env=fault_spec(point, 6))
     try:
         events, refused = [], None
         for _ in range(30):
@@ -278,7 +274,7 @@ def test_a_failure_in_any_thread_ends_the_engine_cleanly(tiny_qwen3, point):
         assert "fails on purpose" in error["message"] or "engine" in error["message"], error
         if streamed:
             assert events[-2] == streamed[0] and events[-1] == "[DONE]"
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + 2
         while srv.proc.poll() is None and time.monotonic() < deadline:
             if httpx.get(f"{srv.url}/health", timeout=5).status_code == 503:
                 break
