@@ -138,9 +138,9 @@ def test_a_reader_that_falls_behind_gets_one_merged_delta(tiny_qwen3):
             params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
             stream = await engine.add_request("same", PROMPTS[1], params)
             other = await engine.add_request("same", PROMPTS[2], params)  # a caller's id may repeat
-            for _ in range(200):
-                stats = await engine.stats()
-                if stats.running == 0 and stats.waiting == 0:
+            # Unread, each stream holds one merged delta; wait until its last one has arrived.
+            for _ in range(500):
+                if all(s._stream._pending is not None and s._stream._pending.finished for s in (stream, other)):
                     break
                 await asyncio.sleep(0.02)
             outputs = [out async for out in stream]
