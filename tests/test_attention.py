@@ -9,6 +9,7 @@ import torch
 
 from slotserve.kernels import decode_attention, native
 from slotserve.kernels.decode_attention import PagedTables
+from slotserve.kv_cache.block_table import cache_index, cache_indices
 from slotserve.layers.attention import Attention, AttentionMetadata, GatherWorkspace
 
 BS, H, KV, D = 4, 4, 2, 8
@@ -46,9 +47,9 @@ def test_mixed_batch_matches_reference(mode, layout, gather_limit):
     attn.v_cache = torch.randn(len(ids) * BS, KV, D)
     total = sum(query_lens)
     q, k, v = torch.randn(total, H, D), torch.randn(total, KV, D), torch.randn(total, KV, D)
-    slots = [t[p // BS] * BS + p % BS for t, n, ql in zip(tables, seq_lens, query_lens, strict=True)
-             for p in range(n - ql, n)]
-    meta = AttentionMetadata.build(query_lens, seq_lens, torch.tensor(slots), tables, BS, decode_mode=mode,
+    indices = [i for t, n, ql in zip(tables, seq_lens, query_lens, strict=True)
+               for i in cache_indices(t, n - ql, n, BS)]
+    meta = AttentionMetadata.build(query_lens, seq_lens, torch.tensor(indices), tables, BS, decode_mode=mode,
                                    workspace=GatherWorkspace(), gather_limit=gather_limit)
     joined = [c is None for c, ql in zip(meta.context, query_lens, strict=True) if ql == 1]
     if mode == "per_seq":
@@ -86,9 +87,9 @@ def test_a_sequence_reads_the_same_bits_in_place_or_gathered(mode):
 
     def decode(tables: list[list[int]], seqs: list[int]) -> torch.Tensor:
         for i in seqs:  # write each history into its blocks
-            slots = [tables[i][p // BS] * BS + p % BS for p in range(lengths[i])]
-            attn.k_cache[slots], attn.v_cache[slots] = history[i]
-        new = [tables[i][(lengths[i] - 1) // BS] * BS + (lengths[i] - 1) % BS for i in seqs]
+            indices = cache_indices(tables[i], 0, lengths[i], BS)
+            attn.k_cache[indices], attn.v_cache[indices] = history[i]
+        new = [cache_index(tables[i], lengths[i] - 1, BS) for i in seqs]
         meta = AttentionMetadata.build([1] * len(seqs), [lengths[i] for i in seqs], torch.tensor(new),
                                        [tables[i] for i in seqs], BS, decode_mode=mode)
         k = torch.stack([history[i][0][-1] for i in seqs])
@@ -122,8 +123,8 @@ def test_decode_rows_get_the_same_bits_alone_or_batched(mode, gather_limit):
     k, v = torch.randn(len(lengths), kv_heads, dim), torch.randn(len(lengths), kv_heads, dim)
 
     def decode(seqs: list[int]) -> torch.Tensor:
-        slots = torch.tensor([tables[i][(lengths[i] - 1) // bs] * bs + (lengths[i] - 1) % bs for i in seqs])
-        meta = AttentionMetadata.build([1] * len(seqs), [lengths[i] for i in seqs], slots,
+        new = torch.tensor([cache_index(tables[i], lengths[i] - 1, bs) for i in seqs])
+        meta = AttentionMetadata.build([1] * len(seqs), [lengths[i] for i in seqs], new,
                                        [tables[i] for i in seqs], bs, decode_mode=mode, gather_limit=gather_limit)
         return attn(q[seqs], k[seqs], v[seqs], meta)
 

@@ -92,11 +92,11 @@ def test_slot_isolation_interleaved_decode(tiny_qwen3):
     a, b = PROMPTS[2], PROMPTS[4]
 
     def solo_logits(prompt, blocks, steps):
-        out = [runner.execute([ScheduledSeq(prompt, 0, blocks)])[0][0]]
+        out = [runner.execute([ScheduledSeq(prompt, 0, blocks)])[0].logits[0]]
         tokens = list(prompt)
         for _ in range(steps):
             tokens.append(int(out[-1].argmax()))
-            out.append(runner.execute([ScheduledSeq(tokens[-1:], len(tokens) - 1, blocks)])[0][0])
+            out.append(runner.execute([ScheduledSeq(tokens[-1:], len(tokens) - 1, blocks)])[0].logits[0])
         return out
 
     ref_a, ref_b = solo_logits(a, list(range(0, 30)), 6), solo_logits(b, list(range(30, 60)), 6)
@@ -106,7 +106,7 @@ def test_slot_isolation_interleaved_decode(tiny_qwen3):
         if len(got) == len(ref):
             continue
         start = 0 if not got else len(tokens) - 1
-        logits = runner.execute([ScheduledSeq(tokens[start:], start, blocks)])[0][0]
+        logits = runner.execute([ScheduledSeq(tokens[start:], start, blocks)])[0].logits[0]
         assert (logits - ref[len(got)]).abs().max().item() <= 1e-4, name
         got.append(logits)
         tokens.append(int(logits.argmax()))

@@ -1,4 +1,5 @@
-"""The `slotserve` command in a subprocess, on a tiny random model."""
+"""The `slotserve` command and the developer benchmarks (`python -m slotserve.bench.dev`) in a subprocess, on a
+tiny random model."""
 
 from __future__ import annotations
 
@@ -13,17 +14,31 @@ from tests.helpers import assert_figures
 TINY_ARGS = ["--kv-cache-memory", "8M", "--temperature", "0"]
 
 
-def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "slotserve.entrypoints.cli", *args], input=stdin,
-                          capture_output=True, text=True, timeout=300)
+def run(*args: str, stdin: str | None = None, module: str = "slotserve.entrypoints.cli") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], input=stdin, capture_output=True, text=True,
+                          timeout=300)
+
+
+def run_dev(*args: str) -> subprocess.CompletedProcess:
+    return run(*args, module="slotserve.bench.dev")
 
 
 @pytest.mark.parametrize("command", [[], ["generate"], ["chat"], ["models"], ["bench", "latency"],
-                                     ["bench", "throughput"], ["bench", "attention"], ["bench", "threads"],
-                                     ["bench", "embed"], ["bench", "kernels"]])
+                                     ["bench", "throughput"], ["bench", "embed"], ["bench", "serve"]])
 def test_help(command):
     result = run(*command, "--help")
     assert result.returncode == 0 and "usage: slotserve" in result.stdout
+
+
+@pytest.mark.parametrize("command", [[], ["kernels"], ["attention"], ["threads"], ["quality"]])
+def test_dev_bench_help(command):
+    result = run_dev(*command, "--help")
+    assert result.returncode == 0 and "usage: python -m slotserve.bench.dev" in result.stdout
+
+
+def test_the_developer_benchmarks_are_not_slotserve_bench():
+    result = run("bench", "kernels")
+    assert result.returncode == 2 and "invalid choice: 'kernels'" in result.stderr
 
 
 def test_generate_streams_the_same_text_as_the_api(tiny_qwen3):
@@ -87,8 +102,8 @@ def test_bench_throughput_and_attention_print_json(tiny_qwen3):
     result = run("bench", "embed", "-m", str(tiny_qwen3), "--kv-cache-memory", "8M", "--num-sentences", "5")
     assert result.returncode == 0, result.stderr
     assert_figures(json.loads(result.stdout.strip().splitlines()[-1]), "embeddings_per_s")
-    result = run("bench", "kernels", "-m", str(tiny_qwen3), "--kv-cache-memory", "8M", "--prefill-len", "32",
-                 "--batch", "4", "--context-len", "16", "--decode-steps", "2", "--repeats", "1")
+    result = run_dev("kernels", "-m", str(tiny_qwen3), "--kv-cache-memory", "8M", "--prefill-len", "32",
+                     "--batch", "4", "--context-len", "16", "--decode-steps", "2", "--repeats", "1")
     assert result.returncode == 0, result.stderr
     kernels = json.loads(result.stdout.strip().splitlines()[-1])
     assert kernels["decode_attention"] in ("paged", "batched") and isinstance(kernels["native_small_gemm"], bool)
@@ -97,15 +112,15 @@ def test_bench_throughput_and_attention_print_json(tiny_qwen3):
                    "memory_read_torch_sum_GBps", "prefill.gemm_bound_GFLOPs", "decode_batched.gemm_bound_GFLOPs",
                    "fma_peak_GFLOPs", "gemm_fp32_GFLOPs", "prefill.fraction_of_fma_peak",
                    "decode_batched.fraction_of_fma_peak")
-    result = run("bench", "kernels", "-m", str(tiny_qwen3), "--kv-cache-memory", "8M", "--prefill-len", "32",
-                 "--batch", "4", "--context-len", "16", "--decode-steps", "2", "--repeats", "1",
-                 "--quantization", "int8")
+    result = run_dev("kernels", "-m", str(tiny_qwen3), "--kv-cache-memory", "8M", "--prefill-len", "32",
+                     "--batch", "4", "--context-len", "16", "--decode-steps", "2", "--repeats", "1",
+                     "--quantization", "int8")
     assert result.returncode == 0, result.stderr
     int8 = json.loads(result.stdout.strip().splitlines()[-1])
     # int8 weights stream a quarter of the bytes (the float embedding is not streamed per token).
     assert int8["quantization"] == "int8"
     assert int8["decode_batch1"]["bytes_per_token_MB"] < kernels["decode_batch1"]["bytes_per_token_MB"] / 3
-    result = run("bench", "attention", "--num-seqs", "4", "--context-len", "40", "--repeats", "2")
+    result = run_dev("attention", "--num-seqs", "4", "--context-len", "40", "--repeats", "2")
     assert result.returncode == 0, result.stderr
     assert_figures(json.loads(result.stdout), "batched_gather_ms")
 
@@ -131,13 +146,13 @@ def test_bench_throughput_skips_or_refuses_the_one_at_a_time_run(tiny_qwen3):
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_the_read_rate_pass_reads_every_float_once(threads):
-    """bench kernels' read pass (kernels/memory_read.c): each thread's share, the vector tails and the
+    """The kernels benchmark's read pass (kernels/memory_read.c): each thread's share, the vector tails and the
     scalar tail, summed exactly (small integers), at lengths around its 4-vector steps."""
     import ctypes
 
     import torch
 
-    from slotserve.bench.kernels import READ_ARGS, READ_SOURCE
+    from slotserve.bench.dev.kernels import READ_ARGS, READ_SOURCE
     from slotserve.kernels import native
 
     read = native.function(READ_SOURCE, "slotserve_read_sum", READ_ARGS)

@@ -102,7 +102,7 @@ def test_bench_threads_times_the_engine_on_each_setting(tiny_qwen2, restore_cpu)
     import argparse
 
     from slotserve import LLM
-    from slotserve.bench.threads import add_arguments, run_threads
+    from slotserve.bench.dev.threads import add_arguments, run_threads
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -9,7 +9,7 @@ import torch
 from slotserve import LLM, SamplingParams
 from slotserve.config import EngineConfig
 from slotserve.engine.engine_core import _one_tensor
-from slotserve.kernels import decode_attention, rows, small_gemm
+from slotserve.kernels import decode_attention, norm_rotary_swiglu_argmax, small_gemm
 from tests.conftest import build_tiny_model
 
 PROMPTS = ["Hello there", "def fibonacci(n):", "The capital of France is", "1, 2, 3, 4,", "你好，世界"]
@@ -45,10 +45,10 @@ def test_greedy_matches_transformers_generate(tiny, llm):
 
 def test_cpu_float32_decodes_through_the_native_kernels(llm):
     """The parity test above then covers them end to end: where they build, they are the default."""
-    if not (small_gemm.available() and decode_attention.available() and rows.available()):
+    if not (small_gemm.available() and decode_attention.available() and norm_rotary_swiglu_argmax.available()):
         pytest.skip("no C compiler with OpenMP here")
     runner = llm.engine.runner
-    assert runner.decode_mode == "paged" and runner.native_gemm and runner.native_rows
+    assert runner.decode_mode == "paged" and runner.native_gemm and runner.native_row_ops
 
 
 def test_batch_equals_one_at_a_time(llm):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
+from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, SeqResult, Want
 from slotserve.kernels import decode_layers
 from slotserve.layers.linear import Linear
 from slotserve.layers.quantization import quantize_int8
@@ -64,8 +64,8 @@ def test_decode_steps_match_the_layer_path_bitwise(arch, request, monkeypatch):
         if step == 3:
             seqs = seqs[1:2]  # a step of one sequence too
         a, b = fused.execute(seqs), layers.execute(seqs)
-        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-        tokens = [[int(x[0].argmax())] for x in a] if step != 3 else tokens
+        assert all(torch.equal(x.logits, y.logits) for x, y in zip(a, b, strict=True))
+        tokens = [[int(x.logits[0].argmax())] for x in a] if step != 3 else tokens
     assert len(calls) == 6  # every decode step of the first runner ran fused, none of the second's
     assert torch.equal(fused.k_cache, layers.k_cache) and torch.equal(fused.v_cache, layers.v_cache)
 
@@ -89,7 +89,7 @@ def test_models_it_cannot_run_keep_the_layer_path(tiny_qwen2):
     assert FusedDecode.bind(nn.Linear(2, 2)) is None
 
 
-def test_replaced_weights_are_rebound(tiny_qwen2):
+def test_replaced_weights_are_bound_on_rebind(tiny_qwen2):
     fused, layers = _runners(tiny_qwen2)
     table = [3, 1]
     for runner in (fused, layers):
@@ -97,43 +97,43 @@ def test_replaced_weights_are_rebound(tiny_qwen2):
     weight = torch.randn_like(fused.model.model.layers[1].self_attn.o_proj.weight)
     for runner in (fused, layers):
         runner.model.model.layers[1].self_attn.o_proj.weight = nn.Parameter(weight.clone())
-    bound = fused.fused
+    fused.rebind()
     a, b = fused.execute([ScheduledSeq([8], 3, table)]), layers.execute([ScheduledSeq([8], 3, table)])
-    assert fused.fused is not bound and fused.fused.tensors[1][5] is fused.model.model.layers[1].self_attn.o_proj.weight
-    assert torch.equal(a[0], b[0])
+    assert fused.fused.tensors[1][5] is fused.model.model.layers[1].self_attn.o_proj.weight
+    assert torch.equal(a[0].logits, b[0].logits)
     # A replaced module: the kernel read its weight through the old one.
     weight = torch.randn_like(fused.model.model.layers[0].mlp.down_proj.weight)
     for runner in (fused, layers):
         mlp = runner.model.model.layers[0].mlp
         mlp.down_proj = Linear(weight.shape[1], weight.shape[0], bias=False).requires_grad_(False)
         mlp.down_proj.weight.copy_(weight)
-    bound = fused.fused
+    fused.rebind()
     a, b = fused.execute([ScheduledSeq([9], 4, table)]), layers.execute([ScheduledSeq([9], 4, table)])
-    assert fused.fused is not bound and fused.fused.tensors[0][8] is fused.model.model.layers[0].mlp.down_proj.weight
-    assert torch.equal(a[0], b[0])
+    assert fused.fused.tensors[0][8] is fused.model.model.layers[0].mlp.down_proj.weight
+    assert torch.equal(a[0].logits, b[0].logits)
     # The final norm's weight, read by the kernel too (as is the embedding).
     weight = torch.rand_like(fused.model.model.norm.weight)
     for runner in (fused, layers):
         runner.model.model.norm.weight = nn.Parameter(weight.clone())
-    bound = fused.fused
+    fused.rebind()
     a, b = fused.execute([ScheduledSeq([10], 5, table)]), layers.execute([ScheduledSeq([10], 5, table)])
-    assert fused.fused is not bound and fused.fused.final_norm is fused.model.model.norm.weight
-    assert torch.equal(a[0], b[0])
+    assert fused.fused.final_norm is fused.model.model.norm.weight
+    assert torch.equal(a[0].logits, b[0].logits)
 
 
-def test_a_replaced_packing_or_cache_rebinds_and_other_modules_do_not(tiny_qwen2):
+def test_until_a_rebind_the_step_computes_with_what_it_holds(tiny_qwen2):
+    """A replaced cache is written by the fused step only once it is bound; before, the step writes the cache it
+    holds (the old tensor stays alive: the kernel's pointers into it stay valid)."""
     fused, _ = _runners(tiny_qwen2)
     fused.execute([ScheduledSeq([5, 6, 7], 0, [0, 1])])
-    bound = fused.fused
-    nn.Linear(2, 2).weight = nn.Parameter(torch.zeros(2, 2))  # a module of no model bound
+    attn = fused.model.model.layers[1].self_attn.attn
+    old, new = attn.k_cache, attn.k_cache.clone()
+    attn.k_cache = new
     fused.execute([ScheduledSeq([8], 3, [0, 1])])
-    assert fused.fused is bound
-    attn = fused.model.model.layers[1].self_attn
-    for change in (lambda: setattr(attn.o_proj, "amx", None), lambda: setattr(attn.attn, "k_cache", attn.attn.k_cache)):
-        change()
-        fused.execute([ScheduledSeq([9], 4, [0, 1])])
-        assert fused.fused is not bound
-        bound = fused.fused
+    assert not torch.equal(old, new) and fused.fused.tensors[1][9] is old
+    fused.rebind()
+    fused.execute([ScheduledSeq([9], 4, [0, 1])])
+    assert fused.fused.tensors[1][9] is new and new[4].abs().sum() > 0 and not old[4].any()
 
 
 @pytest.mark.parametrize("table, position", [([48], 3), ([-1], 3), ([0], 4), ([0], -1)])
@@ -161,17 +161,20 @@ def test_rows_asking_for_hidden_states_or_nothing_match_the_layer_path(tiny_qwen
     tables, starts = [[3, 1], [0, 4], [2, 5]], [3, 2, 0]
     for runner in (fused, layers):
         runner.execute([ScheduledSeq([5, 6, 7], 0, tables[0]), ScheduledSeq([8, 9], 0, tables[1])])
-    for modes in (["hidden", "last", "none"], ["none", "none", "none"], ["hidden", "hidden", "hidden"]):
-        seqs = [ScheduledSeq([10 + i], start, table, logits=mode)
-                for i, (start, table, mode) in enumerate(zip(starts, tables, modes, strict=True))]
+    for wants in ([Want.HIDDEN, Want.LAST, Want.NONE], [Want.NONE] * 3, [Want.HIDDEN] * 3):
+        seqs = [ScheduledSeq([10 + i], start, table, want=want)
+                for i, (start, table, want) in enumerate(zip(starts, tables, wants, strict=True))]
         a, b = fused.execute(seqs), layers.execute(seqs)
-        assert [x is None for x in a] == [mode == "none" for mode in modes]
-        assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a, b, strict=True))
+        for x, y, want in zip(a, b, wants, strict=True):
+            assert (x.logits is not None, x.token, x.hidden is not None) == (want is Want.LAST, None,
+                                                                             want is Want.HIDDEN)
+            assert all((u is None and v is None) or torch.equal(u, v) for u, v in ((x.logits, y.logits),
+                                                                                  (x.hidden, y.hidden)))
         starts = [n + 1 for n in starts]
     # A hidden state handed out is the caller's: the next step does not overwrite it.
-    first = fused.execute([ScheduledSeq([20], starts[0], tables[0], logits="hidden")])[0]
+    first = fused.execute([ScheduledSeq([20], starts[0], tables[0], want=Want.HIDDEN)])[0].hidden
     kept = first.clone()
-    fused.execute([ScheduledSeq([21], starts[0] + 1, tables[0], logits="hidden")])
+    fused.execute([ScheduledSeq([21], starts[0] + 1, tables[0], want=Want.HIDDEN)])
     assert torch.equal(first, kept)
 
 
@@ -182,18 +185,20 @@ def test_greedy_rows_get_the_argmax_of_their_logits(tiny_qwen2):
         runner.execute([ScheduledSeq([5, 6, 7], 0, tables[0]), ScheduledSeq([8, 9], 0, tables[1]),
                         ScheduledSeq([4], 0, tables[2])])
     step = [([11], 3), ([12], 2), ([13], 1)]
-    logits = fused.execute([ScheduledSeq(ids, start, table) for (ids, start), table in zip(step, tables, strict=True)])
+    logits = [r.logits for r in fused.execute([ScheduledSeq(ids, start, table)
+                                               for (ids, start), table in zip(step, tables, strict=True)])]
     argmax = [int(row[0].argmax()) for row in logits]
-    for modes in (["greedy"] * 3, ["greedy", "last", "greedy"], ["none", "greedy", "hidden"]):
-        seqs = [ScheduledSeq(ids, start, table, logits=mode)
-                for (ids, start), table, mode in zip(step, tables, modes, strict=True)]  # the same step again
+    for wants in ([Want.GREEDY] * 3, [Want.GREEDY, Want.LAST, Want.GREEDY], [Want.NONE, Want.GREEDY, Want.HIDDEN]):
+        seqs = [ScheduledSeq(ids, start, table, want=want)
+                for (ids, start), table, want in zip(step, tables, wants, strict=True)]  # the same step again
         for runner in (fused, layers):
             out = runner.execute(seqs)
-            assert [x for x, mode in zip(out, modes, strict=True) if mode == "greedy"] == [
-                a for a, mode in zip(argmax, modes, strict=True) if mode == "greedy"]
-            assert all(torch.equal(x, y) for x, y, mode in zip(out, logits, modes, strict=True) if mode == "last")
-    one = fused.execute([ScheduledSeq([11], 3, tables[0], logits="greedy")])  # a step of one row
-    assert one == argmax[:1]
+            assert [x.token for x, want in zip(out, wants, strict=True) if want is Want.GREEDY] == [
+                a for a, want in zip(argmax, wants, strict=True) if want is Want.GREEDY]
+            assert all(torch.equal(x.logits, y) for x, y, want in zip(out, logits, wants, strict=True)
+                       if want is Want.LAST)
+    one = fused.execute([ScheduledSeq([11], 3, tables[0], want=Want.GREEDY)])  # a step of one row
+    assert one == [SeqResult(token=argmax[0])]
 
 
 def test_a_head_the_kernel_cannot_run_is_applied_after_it(tiny_qwen2):
@@ -204,7 +209,9 @@ def test_a_head_the_kernel_cannot_run_is_applied_after_it(tiny_qwen2):
         plain = nn.Linear(head.in_features, head.out_features, bias=False).requires_grad_(False)
         plain.weight.copy_(head.weight)
         runner.model.lm_head = plain  # torch's own Linear: not one the kernel runs
-    step = [ScheduledSeq([8], 3, [0, 1]), ScheduledSeq([9], 3, [2, 3], logits="greedy")]
+    fused.rebind()
+    step = [ScheduledSeq([8], 3, [0, 1]), ScheduledSeq([9], 3, [2, 3], want=Want.GREEDY)]
     a, b = fused.execute(step), layers.execute(step)
     assert fused.fused is not None and fused.fused.head is None
-    assert torch.equal(a[0], b[0]) and a[1] == b[1] == int(fused.model.compute_logits(fused.fused.x[1:2]).argmax())
+    assert torch.equal(a[0].logits, b[0].logits)
+    assert a[1].token == b[1].token == int(fused.model.compute_logits(fused.fused.x[1:2]).argmax())

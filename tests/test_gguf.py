@@ -126,7 +126,7 @@ def test_thread_pool_gives_identical_weights(tmp_path, monkeypatch):
     tg, _ = tiny_gguf("qwen2", tie=False)
     path = tg.write(tmp_path / "m.gguf")
     convert_gguf(path, tmp_path / "serial", pool=ThreadPool(1))
-    assert executors == {0}  # a 1-thread pool: the caller's slot
+    assert executors == {0}  # a 1-thread pool: the caller's executor index
     executors.clear()
     pool = ThreadPool(3)  # more executors than the machine's 2 cores: jobs finish out of order
     convert_gguf(path, tmp_path / "pooled", pool=pool)

@@ -12,7 +12,7 @@ import torch
 from safetensors.numpy import load_file
 
 from slotserve.config import ModelConfig
-from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
+from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, Want
 from slotserve.models import gguf_reader
 from slotserve.models.gguf import convert_gguf, hf_config
 from slotserve.models.gguf_reader import GGUFError, read_gguf
@@ -37,7 +37,7 @@ def _logits_diff(out: Path, reference) -> float:
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers] == [
         hasattr(layer.mlp, "experts") for layer in reference.model.layers]
     runner = ModelRunner(model, cfg, num_blocks=4, block_size=4)
-    ours = runner.execute([ScheduledSeq(IDS, 0, [0, 1, 2, 3], logits="all")])[0]
+    ours = runner.execute([ScheduledSeq(IDS, 0, [0, 1, 2, 3], want=Want.ALL)])[0].logits
     with torch.no_grad():
         ref = reference(torch.tensor([IDS])).logits[0]
     return (ours - ref).abs().max().item()

@@ -7,9 +7,9 @@ import inspect
 import pytest
 import torch
 
-from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
+from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, Want
 from slotserve.layers import attention
-from slotserve.models import qwen2
+from slotserve.models import qwen
 from slotserve.models.loader import load_model
 from tests.conftest import build_tiny_model
 
@@ -31,7 +31,7 @@ def _check_prefill_and_decode(hf_model, runner, block_table, steps=16, prompt=PR
     ids = torch.tensor([prompt])
     with torch.no_grad():
         ref = hf_model(ids, use_cache=True)
-    ours = runner.execute([ScheduledSeq(prompt, 0, block_table, logits="all")])[0]
+    ours = runner.execute([ScheduledSeq(prompt, 0, block_table, want=Want.ALL)])[0].logits
     assert (ours - ref.logits[0]).abs().max().item() <= TOL
 
     past, token = ref.past_key_values, int(ref.logits[0, -1].argmax())
@@ -40,7 +40,7 @@ def _check_prefill_and_decode(hf_model, runner, block_table, steps=16, prompt=PR
         with torch.no_grad():
             ref = hf_model(torch.tensor([[token]]), use_cache=True, **{_cache_kwarg(hf_model): past})
         past = ref.past_key_values
-        ours = runner.execute([ScheduledSeq([token], pos, block_table)])[0]
+        ours = runner.execute([ScheduledSeq([token], pos, block_table)])[0].logits
         assert (ours[0] - ref.logits[0, -1]).abs().max().item() <= TOL
         token, pos = int(ref.logits[0, -1].argmax()), pos + 1
 
@@ -55,7 +55,7 @@ def test_pieces_of_a_long_prefill_match_transformers(tmp_path, monkeypatch):
     """A prompt longer than the attention's query pieces and the MLP's row pieces (both shrunk here), and
     than a few key alignments, so a piece that saw too few keys would show."""
     monkeypatch.setattr(attention, "QUERY_PIECE", 5)
-    monkeypatch.setattr(qwen2, "MLP_ROWS", 7)
+    monkeypatch.setattr(qwen, "MLP_ROWS", 7)
     hf = build_tiny_model(tmp_path, "qwen2")
     _check_prefill_and_decode(hf, _runner(tmp_path), block_table=[9, 2, 14, 5, 0, 11, 7, 3, 1, 12, 4, 6],
                               steps=4, prompt=PROMPT * 3)
@@ -80,11 +80,11 @@ def test_chunked_prefill_equals_one_prefill(tmp_path):
     """A prompt computed in three chunks gives the same next-token logits as in one piece."""
     build_tiny_model(tmp_path, "qwen2")
     runner = _runner(tmp_path)
-    whole = runner.execute([ScheduledSeq(PROMPT, 0, list(range(4)))])[0]
+    whole = runner.execute([ScheduledSeq(PROMPT, 0, list(range(4)))])[0].logits
     table = list(range(4, 8))
-    runner.execute([ScheduledSeq(PROMPT[:5], 0, table, logits="none")])
-    runner.execute([ScheduledSeq(PROMPT[5:9], 5, table, logits="none")])
-    chunked = runner.execute([ScheduledSeq(PROMPT[9:], 9, table)])[0]
+    runner.execute([ScheduledSeq(PROMPT[:5], 0, table, want=Want.NONE)])
+    runner.execute([ScheduledSeq(PROMPT[5:9], 5, table, want=Want.NONE)])
+    chunked = runner.execute([ScheduledSeq(PROMPT[9:], 9, table)])[0].logits
     assert (whole - chunked).abs().max().item() <= TOL
 
 
@@ -96,10 +96,11 @@ def test_flat_batch_equals_separate_runs(tmp_path):
 
 def _check_flat_batch(runner):
     a, b = PROMPT[:9], PROMPT[3:]
-    solo_a = runner.execute([ScheduledSeq(a, 0, [0, 1, 2, 3])])[0]
-    solo_b = runner.execute([ScheduledSeq(b, 0, [4, 5, 6, 7])])[0]
+    solo_a = runner.execute([ScheduledSeq(a, 0, [0, 1, 2, 3])])[0].logits
+    solo_b = runner.execute([ScheduledSeq(b, 0, [4, 5, 6, 7])])[0].logits
     runner.execute([ScheduledSeq(a[:-1], 0, [8, 9, 10])])
-    mixed = runner.execute([ScheduledSeq(b, 0, [11, 12, 13]), ScheduledSeq(a[-1:], len(a) - 1, [8, 9, 10])])
+    mixed = [r.logits for r in runner.execute([ScheduledSeq(b, 0, [11, 12, 13]),
+                                                ScheduledSeq(a[-1:], len(a) - 1, [8, 9, 10])])]
     assert (mixed[0] - solo_b).abs().max().item() <= TOL
     assert (mixed[1] - solo_a).abs().max().item() <= TOL
 
@@ -112,9 +113,10 @@ def test_a_step_outputs_the_rows_asked_for_as_if_every_row_were(tmp_path):
     tables = [[list(range(5 * i + j, 5 * i + j + 4)) for i in range(3)] for j in (0, 16)]  # 4 blocks each
     rows = []  # what the last layer's MLP is given
     runner.model.model.layers[-1].mlp.register_forward_hook(lambda _m, args, _out: rows.append(len(args[0])))
-    full = runner.execute([ScheduledSeq(p, 0, t, logits="all") for p, t in zip(prompts, tables[0], strict=True)])
-    some = runner.execute([ScheduledSeq(p, 0, t, logits=kind)
-                           for p, t, kind in zip(prompts, tables[1], ("last", "none", "all"), strict=True)])
+    full = [r.logits for r in runner.execute([ScheduledSeq(p, 0, t, want=Want.ALL)
+                                              for p, t in zip(prompts, tables[0], strict=True)])]
+    some = [r.logits for r in runner.execute([ScheduledSeq(p, 0, t, want=want) for p, t, want in zip(
+        prompts, tables[1], (Want.LAST, Want.NONE, Want.ALL), strict=True)])]
     assert rows == [7 + 12 + 6, 1 + 6] and some[1] is None
     assert some[0].shape == (1, full[0].shape[1]) and some[2].shape == full[2].shape
     assert (some[0] - full[0][-1:]).abs().max().item() <= TOL and (some[2] - full[2]).abs().max().item() <= TOL

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from slotserve import LLM, SamplingParams
-from slotserve.bench.quality import add_arguments, run_quality
+from slotserve.bench.dev.quality import add_arguments, run_quality
 from slotserve.config import EngineConfig, ModelConfig
-from slotserve.engine.model_runner import ScheduledSeq
+from slotserve.engine.model_runner import ScheduledSeq, Want
 from slotserve.layers.quantization import Int8Linear, quantize_int8
 from slotserve.models.qwen3_moe import SparseMoeBlock
 from tests.helpers import assert_figures
@@ -34,7 +34,7 @@ def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     engine = llm.engine
     blocks = engine.kv.pool.allocate(engine.kv.blocks_for(len(ids)))
     try:
-        return engine.runner.execute([ScheduledSeq(ids, 0, blocks, logits="all")])[0]
+        return engine.runner.execute([ScheduledSeq(ids, 0, blocks, want=Want.ALL)])[0].logits
     finally:
         engine.kv.pool.free(blocks)
 
@@ -143,11 +143,12 @@ def test_decode_logits_bitwise_the_same_alone_and_batched(llms, which):
     try:
         with torch.inference_mode():
             for i, (n, table) in enumerate(zip(lengths, tables, strict=True)):
-                runner.execute([ScheduledSeq([100 + 7 * i + j for j in range(n)], 0, table, logits="none")])
+                runner.execute([ScheduledSeq([100 + 7 * i + j for j in range(n)], 0, table, want=Want.NONE)])
             step = [ScheduledSeq([42 + i], n, table) for i, (n, table) in enumerate(zip(lengths, tables, strict=True))]
             for mode in dict.fromkeys([default_mode, "batched", "per_seq"]):
                 runner.decode_mode = mode
-                results[mode] = [[runner.execute([seq])[0] for seq in step], runner.execute(step)]
+                alone = [runner.execute([seq])[0].logits for seq in step]
+                results[mode] = [alone, [r.logits for r in runner.execute(step)]]
     finally:
         runner.decode_mode = default_mode
         for table in tables:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from slotserve import LLM, SamplingParams
-from slotserve.engine.model_runner import ScheduledSeq
+from slotserve.engine.model_runner import ScheduledSeq, Want
 from slotserve.model_store import DEFAULT_MODEL, assemble
 
 pytestmark = pytest.mark.real_model
@@ -52,7 +52,7 @@ def test_first_positions_match_transformers_on_the_same_gguf(llm):
     with torch.no_grad():
         ref = ref_model(torch.tensor([ids])).logits[0]
     runner = llm.engine.runner
-    ours = runner.execute([ScheduledSeq(ids, 0, list(range(runner.num_blocks))[:1], logits="all")])[0]
+    ours = runner.execute([ScheduledSeq(ids, 0, list(range(runner.num_blocks))[:1], want=Want.ALL)])[0].logits
     assert ours.shape == ref.shape
     assert (ours - ref).abs().max().item() <= LOGIT_TOL
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))

@@ -93,11 +93,11 @@ def test_each_executor_gets_its_chunk_and_the_caller_takes_the_last(pool4):
         t = threading.current_thread()
         with lock:
             ident, name, items = seen.setdefault(worker_id(), (t.ident, t.name, set()))
-            assert (ident, name) == (t.ident, t.name)  # one slot, one thread
+            assert (ident, name) == (t.ident, t.name)  # one executor index, one thread
             items.add(i)
 
     pool4.parfor(10, 21, body)  # 11 items: chunks of 3, 3, 3, 2
-    assert {slot: sorted(items) for slot, (_, _, items) in seen.items()} == {
+    assert {index: sorted(items) for index, (_, _, items) in seen.items()} == {
         0: [10, 11, 12], 1: [13, 14, 15], 2: [16, 17, 18], 3: [19, 20]}
     assert seen[3][0] == threading.get_ident()
     assert [seen[k][1] for k in range(3)] == ["slotserve-tp-0", "slotserve-tp-1", "slotserve-tp-2"]
@@ -112,9 +112,9 @@ def test_empty_and_reversed_ranges_do_nothing(pool4):
 
 
 def test_fewer_items_than_threads(pool4):
-    slots = {}
-    pool4.parfor(0, 2, lambda ctx, i: slots.__setitem__(i, worker_id()))
-    assert slots == {0: 0, 1: 1}  # the first chunks get the items; the caller's last chunk is empty
+    executors = {}
+    pool4.parfor(0, 2, lambda ctx, i: executors.__setitem__(i, worker_id()))
+    assert executors == {0: 0, 1: 1}  # the first chunks get the items; the caller's last chunk is empty
 
 
 def test_single_thread_pool_runs_in_the_caller():
@@ -367,7 +367,7 @@ def test_a_forked_child_gets_a_fresh_pool():
 def test_bench_threads_smoke():
     import argparse
 
-    from slotserve.bench.threads import add_arguments, run_threads
+    from slotserve.bench.dev.threads import add_arguments, run_threads
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -1,11 +1,8 @@
 """CPU tensors in transparent huge pages: where the weights and the KV cache live on a Linux host.
 
-A decode step streams every weight from DRAM (2 GB per token for the default model in float32) and
-reads each sequence's keys and values out of blocks scattered over the cache. With 4 KB pages both
-walk the page tables constantly; with 2 MB pages they do not. Measured here (2-vCPU Xeon, Linux 6.18,
-THP in "madvise" mode, so nothing gets huge pages unless it asks): a 1 GB `sum` reads 18 GB/s from
-4 KB pages and 26 GB/s from huge ones; batch-1 decode of the default model takes 95-99 instead of
-106-111 ms per token.
+A decode step streams every weight from DRAM and reads each sequence's keys and values out of blocks
+scattered over the cache. With 4 KB pages both walk the page tables constantly; with 2 MB pages they do
+not. Under THP's "madvise" mode (a common default) nothing gets huge pages unless it asks for them.
 
 torch's allocator asks for huge pages only under `THP_MEM_ALLOC_ENABLE=1`, read once at its first
 allocation, so a library cannot switch it on. Here the memory is our own anonymous mapping, advised

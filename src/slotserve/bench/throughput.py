@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from slotserve.bench.kernels import GEMM_FLOPS, attention_pair_flops, fma_peak, gemm_pass, linear_params
+from slotserve.bench.bounds import GEMM_FLOPS, attention_pair_flops, fma_peak, gemm_pass, linear_params
 from slotserve.bench.timing import seconds
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.model_runner import ScheduledSeq
@@ -75,10 +75,10 @@ def _decode_rate_bare(engine: LLMEngine, prompt: list[int], steps: int) -> float
     runner = engine.runner
     blocks = engine.kv.pool.allocate(engine.kv.blocks_for(len(prompt) + steps + 1))
     try:
-        token = int(runner.execute([ScheduledSeq(prompt, 0, blocks)])[0][0].argmax())
+        token = int(runner.execute([ScheduledSeq(prompt, 0, blocks)])[0].logits[0].argmax())
         start = time.perf_counter()
         for pos in range(len(prompt), len(prompt) + steps):
-            token = int(runner.execute([ScheduledSeq([token], pos, blocks)])[0][0].argmax())
+            token = int(runner.execute([ScheduledSeq([token], pos, blocks)])[0].logits[0].argmax())
         return steps / (time.perf_counter() - start)
     finally:
         engine.kv.pool.free(blocks)

@@ -15,10 +15,9 @@ import torch
 
 from slotserve import host_memory
 from slotserve.config import EngineConfig, ModelConfig, parse_device, parse_dtype
-from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
+from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, Want
 from slotserve.engine.request import EngineCoreOutput, EngineCoreRequest, Request
 from slotserve.engine.scheduler import Scheduler
-from slotserve.kernels import amx_gemm
 from slotserve.kv_cache.manager import KVCacheManager
 from slotserve.layers.quantization import quantize_int8
 from slotserve.layers.sampler import Sampler, SamplingState, prompt_logprobs
@@ -76,26 +75,29 @@ class EngineCore:
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self.load_seconds = time.perf_counter() - start
-        logger.info("loaded %s (%s, %s, %s, %d threads%s) in %.1f s; KV cache: %d blocks x %d tokens = %d tokens; "
-                    "max_model_len %d; decode attention: %s%s%s%s%s", config.model, cfg.architecture, self.device,
-                    str(self.dtype).removeprefix("torch."), self.cpu.threads,
-                    f" on cores {','.join(map(str, self.cpu.cpu_affinity))}" if self.cpu.cpu_affinity else "",
-                    self.load_seconds, num_blocks, config.block_size, num_blocks * config.block_size,
-                    self.max_model_len, self.runner.decode_mode,
-                    "; small-batch GEMM: native" if self.runner.native_gemm else "",
-                    self._packed_line(),
-                    "; decode steps: fused" if self.runner.fused else "",
-                    "; weights in huge pages" if self.weights_in_huge_pages else "")
+        logger.info("loaded %s (%s) in %.1f s; %s", config.model, self._placement(), self.load_seconds,
+                    "; ".join(self._setup(num_blocks)))
 
-    def _packed_line(self) -> str:
-        """The load line's word on packed linears: how many run on AMX, how many only their few rows from bytes."""
-        runner, few = self.runner, f"bytes for 1-{amx_gemm.FEW_ROWS} rows"
-        if not runner.packed_linears:
-            return ""
-        if not runner.amx_linears:
-            return f"; {few}: {runner.packed_linears} of {runner.linears} linears"
-        rest = runner.packed_linears - runner.amx_linears
-        return f"; AMX: {runner.amx_linears} of {runner.linears} linears" + (f" ({few}: {rest} more)" if rest else "")
+    def _placement(self) -> str:
+        """The load line's architecture, device, dtype, threads and cores."""
+        cores = self.cpu.cpu_affinity
+        return (f"{self.model_config.architecture}, {self.device}, {str(self.dtype).removeprefix('torch.')}, "
+                f"{self.cpu.threads} threads" + (f" on cores {','.join(map(str, cores))}" if cores else ""))
+
+    def _setup(self, num_blocks: int) -> list[str]:
+        """The load line's parts on the KV cache and the kernels each step runs."""
+        block_size, runner = self.config.block_size, self.runner
+        parts = [f"KV cache: {num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens",
+                 f"max_model_len {self.max_model_len}", f"decode attention: {runner.decode_mode}"]
+        if runner.native_gemm:
+            parts.append("small-batch GEMM: native")
+        if runner.packing_report.packed:
+            parts.append(runner.packing_report.summary())
+        if runner.fused:
+            parts.append("decode steps: fused")
+        if self.weights_in_huge_pages:
+            parts.append("weights in huge pages")
+        return parts
 
     @property
     def vocab_size(self) -> int:
@@ -151,25 +153,25 @@ class EngineCore:
             start = req.num_computed_tokens
             last_chunk = start + num_new == req.num_tokens
             scores_prompt = req.prompt_logprobs is not None and len(req.prompt_logprobs) < len(req.prompt_token_ids)
-            wanted = ("hidden" if req.pooling else "all" if scores_prompt
-                      else "greedy" if req.sampling.takes_argmax() else "last")
+            want = (Want.HIDDEN if req.pooling else Want.ALL if scores_prompt
+                    else Want.GREEDY if req.sampling.takes_argmax() else Want.LAST)
             seqs.append(ScheduledSeq(req.token_ids(start, start + num_new), start, req.block_table,
-                                     logits=wanted if last_chunk or scores_prompt else "none"))
+                                     want=want if last_chunk or scores_prompt else Want.NONE))
         results = self.runner.execute(seqs)
         outputs, sampling = [], []
         for (req, num_new), seq, result in zip(plan.scheduled, seqs, results, strict=True):
-            if seq.logits == "all":
-                self._score_prompt(req, seq.start_pos, result)
+            if seq.want is Want.ALL:
+                self._score_prompt(req, seq.start_pos, result.logits)
             req.num_computed_tokens += num_new
             self.kv.register_full_blocks(req)
             if req.num_computed_tokens < req.num_tokens:
                 continue
             if req.pooling is not None:
-                outputs.append(self._pool(req, result[-1]))
-            elif seq.logits == "greedy":
-                outputs.append(self._append(req, result, None))
+                outputs.append(self._pool(req, result.hidden[-1]))
+            elif seq.want is Want.GREEDY:
+                outputs.append(self._append(req, result.token, None))
             else:
-                sampling.append((req, result[-1:]))
+                sampling.append((req, result.logits[-1:]))
         if sampling:
             sampled = self.sampler(_one_tensor([row for _, row in sampling]), [r.sampling for r, _ in sampling])
             outputs += [self._append(req, sampled.token_ids[i], sampled.logprobs[i])

@@ -1,4 +1,5 @@
-"""The `slotserve` command: generate, chat, models, bench."""
+"""The `slotserve` command: generate, chat, serve, models, bench (the developer benchmarks are
+`python -m slotserve.bench.dev`)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,11 @@ from typing import Any
 
 _STARTED = time.perf_counter()
 
-from slotserve.bench.quality import add_arguments as quality_bench_args  # noqa: E402
-from slotserve.bench.serve import add_arguments as serve_bench_args  # noqa: E402 (torch-free imports)
-from slotserve.bench.threads import add_arguments as threads_bench_args  # noqa: E402  # before torch is imported: the start of "time to first token"
+# Torch-free imports, after _STARTED: the start of `bench latency`'s "time to first token".
+from slotserve.bench.serve import add_arguments as serve_bench_args  # noqa: E402
 
 
-def _engine_args(p: argparse.ArgumentParser, cpu_options: bool = True) -> None:
+def add_engine_args(p: argparse.ArgumentParser, cpu_options: bool = True) -> None:
     from slotserve.model_store import DEFAULT_MODEL
     from slotserve.parallel.threadpool import parse_cpu_list
 
@@ -90,10 +90,10 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 2G)") from None
 
 
-def _make_llm(args: argparse.Namespace):
+def make_llm(args: argparse.Namespace):
     from slotserve import LLM
 
-    return LLM.from_config(_engine_config(args))
+    return LLM.from_config(engine_config(args))
 
 
 def _params(args: argparse.Namespace):
@@ -114,7 +114,7 @@ def _template_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    llm = _make_llm(args)
+    llm = make_llm(args)
     prompt = args.prompt
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
@@ -127,7 +127,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    llm = _make_llm(args)
+    llm = make_llm(args)
     params = _params(args)
     history = [{"role": "system", "content": args.system}] if args.system else []
     print("Chatting with", args.model, "- /exit to quit, /reset to forget the conversation.", file=sys.stderr)
@@ -162,7 +162,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": "".join(reply)})
 
 
-def _engine_config(args: argparse.Namespace):
+def engine_config(args: argparse.Namespace):
     from slotserve.config import EngineConfig
 
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
@@ -182,7 +182,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.model_positional:
         args.model = args.model_positional
-    config = _engine_config(args)
+    config = engine_config(args)
     settings = ServerSettings(
         model_name=args.served_model_name or args.model,
         api_key=args.api_key or os.environ.get("SLOTSERVE_API_KEY") or None,
@@ -220,38 +220,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "latency":
         from slotserve.bench.latency import run_latency
 
-        result = run_latency(_make_llm, args, started=_STARTED)
-    elif args.bench == "kernels":
-        from slotserve.bench.kernels import run_kernels
-
-        result = run_kernels(_make_llm(args).engine, args)
-    elif args.bench == "quality":
-        from slotserve.bench.quality import run_quality
-
-        result = run_quality(_engine_config(args), args)
+        result = run_latency(make_llm, args, started=_STARTED)
     elif args.bench == "embed":
         from slotserve.bench.embed import run_embed
 
         args.task = "embed"
-        result = run_embed(_make_llm(args).engine, args)
+        result = run_embed(make_llm(args).engine, args)
     elif args.bench == "serve":
         from slotserve.bench.serve import run_serve_bench
 
         result = run_serve_bench(args)
-    elif args.bench == "threads":
-        from slotserve.bench.threads import run_threads
-
-        # Its --threads / --cpu-affinity are the counts and cores to measure; the engine starts on defaults.
-        engine_args = argparse.Namespace(**{**vars(args), "threads": None, "cpu_affinity": None})
-        result = run_threads(args, lambda: _make_llm(engine_args).engine)
-    elif args.bench == "attention":
-        from slotserve.bench.attention import run_attention
-
-        result = run_attention(args)
     else:
         from slotserve.bench.throughput import run_throughput
 
-        result = run_throughput(_make_llm(args).engine, args)
+        result = run_throughput(make_llm(args).engine, args)
     print(json.dumps(result))
     return 0
 
@@ -265,13 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     _chat_args(p)
-    _engine_args(p)
+    add_engine_args(p)
     _sampling_args(p, max_tokens=256)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive chat in the terminal (streams replies, keeps the conversation)")
     _chat_args(p)
-    _engine_args(p)
+    add_engine_args(p)
     _sampling_args(p, max_tokens=1024)
     p.set_defaults(func=cmd_chat)
 
@@ -300,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"most stop strings, and most stop token ids, per request (default {limits.max_stop})")
     g.add_argument("--max-logit-bias", type=int, default=limits.max_logit_bias,
                    help=f"most logit_bias entries per request (default {limits.max_logit_bias})")
-    _engine_args(p)
+    add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("models", help="list the model aliases and whether each is installed")
@@ -313,41 +295,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--input-len", type=int, default=512, help="prompt tokens for the prefill figure")
     b.add_argument("--output-len", type=int, default=128, help="tokens decoded for the decode figure")
     b.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the median is reported")
-    _engine_args(b)
-    b.set_defaults(func=cmd_bench)
-    b = bench.add_parser("attention", help="decode attention over the paged cache: ways of reading it")
-    b.add_argument("--num-seqs", type=int, default=16)
-    b.add_argument("--context-len", type=int, default=750)
-    b.add_argument("--block-size", type=int, default=16)
-    b.add_argument("--num-heads", type=int, default=16)
-    b.add_argument("--num-kv-heads", type=int, default=8)
-    b.add_argument("--head-dim", type=int, default=128)
-    b.add_argument("--repeats", type=int, default=20)
-    b.set_defaults(func=cmd_bench)
-    b = bench.add_parser("kernels", help="machine limits (bandwidth, GEMM) and the engine's speed against them")
-    b.add_argument("--prefill-len", type=int, default=512)
-    b.add_argument("--batch", type=int, default=32, help="sequences in the batched decode step")
-    b.add_argument("--context-len", type=int, default=256, help="context of each sequence in the batched decode")
-    b.add_argument("--decode-steps", type=int, default=16)
-    b.add_argument("--repeats", type=int, default=3)
-    _engine_args(b)
-    b.set_defaults(func=cmd_bench)
-    b = bench.add_parser("quality", help="float32 vs int8 weights: perplexity, greedy agreement, decode speed")
-    quality_bench_args(b)
-    _engine_args(b)
+    add_engine_args(b)
     b.set_defaults(func=cmd_bench)
     b = bench.add_parser("embed", help="embeddings per second for a batch of sentences (task embed)")
     b.add_argument("--num-sentences", type=int, default=64)
     b.add_argument("--words", type=int, default=16, help="words per random sentence")
     b.add_argument("--seed", type=int, default=0)
-    _engine_args(b)
+    add_engine_args(b)
     b.set_defaults(func=cmd_bench)
     b = bench.add_parser("serve", help="load a running server: request throughput, TTFT, TPOT, ITL")
     serve_bench_args(b)
-    b.set_defaults(func=cmd_bench)
-    b = bench.add_parser("threads", help="parfor pool: dispatch cost vs ThreadPoolExecutor, matmul on 1..N threads")
-    threads_bench_args(b)
-    _engine_args(b, cpu_options=False)
     b.set_defaults(func=cmd_bench)
     b = bench.add_parser("throughput", help="many requests at once vs one at a time; output tokens/s")
     b.add_argument("--num-prompts", type=int, default=32, help="requests in the batched run")
@@ -360,13 +317,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time Hugging Face generate on the same prompts in one padded batch")
     b.add_argument("--rounds", type=int, default=1,
                    help="with --compare-transformers: pairs of runs (fresh prompts each), median speed-up reported")
-    _engine_args(b)
+    add_engine_args(b)
     b.set_defaults(func=cmd_bench)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
+    """Runs the command line `argv` (default: sys.argv) as `parser` (default: the `slotserve` command's) reads it:
+    each command is its `func`."""
+    args = (parser or build_parser()).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)
     try:

@@ -1,308 +1,31 @@
 /* A float32 linear through AMX, Intel's tile units (Sapphire Rapids and later), with every product exact:
-   out[M][N] = x[M][K] @ w[N][K]^T (+ bias[N]).
+   out[M][N] = x[M][K] @ w[N][K]^T (+ bias[N]), w packed by packed_linear.c (packed_linear.h's layout).
 
    AMX multiplies bfloat16 tiles and sums the products in float32. Two facts make that a float32 GEMM here:
-   - Most float32 weights of a quantized or low-precision checkpoint are, in each block of 32 along a row,
-     w = scale * v (+ offset) with v bfloat16 values: GGUF's Q8_0/Q5_0/Q4_0 blocks (an fp16 scale times
-     small integers) and bfloat16 checkpoints (scale 1) without an offset, Q4_K/Q5_K blocks (a scale and a
-     minimum) with one. `pack` finds each block's scale (and offset) and keeps the bfloat16 values, or says
-     the weight has no such form (then the caller keeps its float32 path).
-   - A float32 activation is exactly the sum of three bfloat16 parts (8 + 8 + 8 significant bits).
+   - the packed weight is, in each block of 32 along a row, w = scale * v (+ offset) with v bfloat16 values
+     (or integers, widened to bfloat16 in L1 as each block is used);
+   - a float32 activation is exactly the sum of three bfloat16 parts (8 + 8 + 8 significant bits).
    So each block's sum is three tile products of exact bfloat16 x bfloat16 terms, summed in float32, then
    scaled (plus the offset times the block's sum of x) and added up across blocks with fused multiply-adds:
    the same rounding, term by term, as a float32 GEMM's sums, and measured closer to the float64 result than
-   our FMA kernel (small_gemm.c) on the default model's shapes.
-
-   The weights stream at 1 byte a value where every block's values are a power of two times integers in
-   [-128, 127] (GGUF's integer blocks: the power goes into the scale), widened to bfloat16 in L1 as each block
-   is used; else at 2 bytes, as bfloat16. The products and sums are the same either way, so the bits are (but
-   where a bfloat16 value's products would be subnormal, which AMX flushes to zero: the integers keep them).
+   our FMA kernel (small_gemm.c) on the default model's shapes. A narrow packing's integers give the same
+   products and sums as their bfloat16 values, so the same bits (but where a bfloat16 value's products would
+   be subnormal, which AMX flushes to zero: the integers keep them).
 
    A row's result depends on that row alone (the batch is cut into tiles of rows, padded with zero rows), so
-   its bits are the same in any batch. They are not the bits of the float32 FMA kernels. Calls of up to FEW
-   rows of a narrow weight run on the vector units instead (few_rows.c: integer products of the weights and
-   each row's x in fixed point), on CPUs without AMX too (its only calls there; pack is plain C): their bits
-   are the same in any such call and any build, but not those of AMX.
+   its bits are the same in any batch. They are not the bits of the float32 FMA kernels, nor those of
+   few_rows.c, which takes a narrow packing's calls of up to FEW rows instead. Built without AMX, the calls
+   answer -2 (and slotserve_amx_init -1). */
 
-   Layout of a packed weight: rows in pairs of 16-row tiles; for each pair and each block of 32 along K, the
-   two tiles' values as AMX wants them (pairs along K, [16 k-pairs][16 rows][2]), 1024 values; and the
-   pair's 32 scales (and offsets) per block. Rows past N are zero. Narrow values go in k-quads instead
-   ([8 k-quads][16 rows][4]), each plus 128 as an unsigned byte: what few_rows.c's byte products take; AMX's
-   path turns each quad back into its two pairs as it widens them.
-
-   Values of two bfloat16 parts (Q6_K's per-16 scales under a per-block one, float16 checkpoints) would be
-   exact too, but they stream 4 bytes a value like float32 and cost twice the tile products: measured no
-   faster on decode steps and 0.72-0.76x of oneDNN's float32 GEMM on 1024-row prefills, so not taken. Q6_K's
-   blocks are integers under a scale per half block, though: packed so (`halves`, int8), they serve few_rows.c's
-   calls only, at a third of the float32 bytes (12 of the default model's 24 down projections). */
-
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "packed_linear.h"
 #include "vector.h"
 
-#define BLOCK 32 /* k per block: one tile row of bfloat16 */
-#define TILE 16  /* rows of a tile, and outputs of a weight tile */
-#define PAIR 32  /* outputs of the two weight tiles multiplied together */
-#define GROUP 4  /* blocks whose tile sums are scaled together */
-#define TILES_PER_THREAD 4 /* row tiles per thread from which each thread splits its own (slotserve_amx_gemm) */
-
-/* A packed weight (slotserve_amx_pack's buffers); offsets NULL where the blocks have none. */
-typedef struct {
-    const void *values; /* bfloat16 bits (uint16), or where `narrow` int8 values plus 128 (uint8, in k-quads) */
-    const float *scales, *offsets;
-    int narrow;
-    int halves; /* each block's two halves of 16 have their own scale (and offset): GGUF's Q6_K; few rows only */
-    /* The rows it takes (the caller's choice, kept here): from min_rows on, any of a narrow packing, none past
-       max_rows (FEW without AMX); the float32 path takes the rest. */
-    long min_rows, max_rows;
-} slotserve_amx_weight;
-
-static uint32_t float_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-
-static uint32_t gcd(uint32_t a, uint32_t b) {
-    while (b) {
-        const uint32_t t = a % b;
-        a = b;
-        b = t;
-    }
-    return a;
-}
-
-static int normal_or_zero(float f) {
-    const uint32_t e = (float_bits(f) >> 23) & 0xff;
-    return f == 0.0f || (e != 0 && e != 0xff);
-}
-
-#if defined(__AVX512F__) && defined(__AVX512CD__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#define WIDE_FIT 1 /* the fitting code runs 16 weights a vector */
-#else
-#define WIDE_FIT 0
-#endif
-
-#if WIDE_FIT /* vector.h brought in immintrin.h */
-/* Lanes of x that are neither zero nor a normal number (AMX reads subnormals as 0). */
-static __mmask16 abnormal(__m512 x) {
-    const __m512i e = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 23), _mm512_set1_epi32(0xff));
-    const __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_EQ_OQ);
-    return (_mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()) & ~zero) |
-           _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(0xff));
-}
-
-/* block_fit, 16 weights a vector: the same operations on each weight, so the same result, where it can
-   decide; -1 where it cannot and block_fit's scalar loop must (a zero offset, whose sign the scalar order
-   picks; values whose least odd significand part does not divide the others, where the greatest common
-   divisor takes Euclid's loop), both rare in GGUF's blocks. With integer_fit's vectors, the default model
-   packs in 1.56-1.69 s against 4.33-4.53 s (2 threads). */
-static int block_fit_wide(const float *w, int len, int with_offset, float *scale, float *offset, float *v) {
-    const int vectors = len / 16;
-    __m512 x[BLOCK / 16] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    __mmask16 bad = 0;
-    for (int j = 0; j < vectors; j++) {
-        x[j] = _mm512_loadu_ps(w + 16 * j);
-        bad |= abnormal(x[j]);
-    }
-    if (bad)
-        return 0;
-    float o = 0.0f;
-    if (with_offset) {
-        o = _mm512_reduce_min_ps(vectors == 2 ? _mm512_min_ps(x[0], x[1]) : x[0]);
-        if (o == 0.0f)
-            return -1;
-    }
-    const __m512d od = _mm512_set1_pd(o);
-    __m512i odd[BLOCK / 16];
-    __mmask16 nonzero[BLOCK / 16];
-    uint32_t least = UINT32_MAX;
-    for (int j = 0; j < vectors; j++) {
-        __m256 halves[2];
-        for (int h = 0; h < 2; h++) { /* v = (float)((double)w - o), exactly */
-            const __m512d d = _mm512_sub_pd(_mm512_cvtps_pd(h ? _mm512_extractf32x8_ps(x[j], 1)
-                                                                : _mm512_castps512_ps256(x[j])), od);
-            halves[h] = _mm512_cvtpd_ps(d);
-            if (_mm512_cmp_pd_mask(_mm512_cvtps_pd(halves[h]), d, _CMP_EQ_OQ) != 0xff)
-                return 0;
-        }
-        x[j] = _mm512_insertf32x8(_mm512_castps256_ps512(halves[0]), halves[1], 1);
-        if (abnormal(x[j]))
-            return 0;
-        nonzero[j] = _mm512_cmp_ps_mask(x[j], _mm512_setzero_ps(), _CMP_NEQ_UQ);
-        const __m512i m = _mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(x[j]), _mm512_set1_epi32(0x7fffff)),
-                                          _mm512_set1_epi32(0x800000));
-        const __m512i lowest = _mm512_and_si512(m, _mm512_sub_epi32(_mm512_setzero_si512(), m));
-        odd[j] = _mm512_srlv_epi32(m, _mm512_sub_epi32(_mm512_set1_epi32(31), _mm512_lzcnt_epi32(lowest)));
-        const uint32_t mine = _mm512_mask_reduce_min_epu32(nonzero[j], odd[j]);
-        least = mine < least ? mine : least;
-    }
-    const int any = least != UINT32_MAX;
-    if (any) /* the least odd part is the greatest common divisor where it divides all (quotients in double: exact) */
-        for (int j = 0; j < vectors; j++)
-            for (int h = 0; h < 2; h++) {
-                const __m512d q = _mm512_div_pd(
-                    _mm512_cvtepu32_pd(h ? _mm512_extracti64x4_epi64(odd[j], 1) : _mm512_castsi512_si256(odd[j])),
-                    _mm512_set1_pd((double)least));
-                const __mmask8 whole = _mm512_cmp_pd_mask(q, _mm512_roundscale_pd(q, _MM_FROUND_TO_NEG_INF), _CMP_EQ_OQ);
-                if ((__mmask8)(nonzero[j] >> (8 * h)) & ~whole)
-                    return -1;
-            }
-    const float sf = any ? (float)least : 1.0f;
-    const __m512 sv = _mm512_set1_ps(sf);
-    for (int j = 0; j < vectors; j++) {
-        const __m512 q = _mm512_div_ps(x[j], sv);
-        const __mmask16 wide = _mm512_test_epi32_mask(_mm512_castps_si512(q), _mm512_set1_epi32(0xffff));
-        if (wide || abnormal(q) || _mm512_cmp_ps_mask(_mm512_mul_ps(q, sv), x[j], _CMP_EQ_OQ) != 0xffff)
-            return 0;
-        _mm512_storeu_ps(v + 16 * j, q);
-    }
-    *scale = sf;
-    *offset = o;
-    return 1;
-}
-#endif
-
-/* Fits one block of len weights (BLOCK, or half of it) as w[i] = *scale * v[i] + *offset exactly, each v[i]
-   a bfloat16 (the offset is the block's least value where asked for, else 0). Returns 0 where there is no
-   fit. The odd parts of the significands of w[i] - offset share their greatest common divisor g:
-   (w[i] - offset) / g is exact, and a bfloat16 where its significand has at most 8 bits. */
-static int block_fit(const float *w, int len, int with_offset, float *scale, float *offset, float *v) {
-#if WIDE_FIT
-    const int fit = block_fit_wide(w, len, with_offset, scale, offset, v);
-    if (fit >= 0)
-        return fit;
-#endif
-    float o = 0.0f;
-    if (with_offset)
-        for (int i = 0; i < len; i++) o = i == 0 || w[i] < o ? w[i] : o;
-    uint32_t g = 0;
-    for (int i = 0; i < len; i++) {
-        const double d = (double)w[i] - o;
-        v[i] = (float)d;
-        if ((double)v[i] != d || !normal_or_zero(v[i]) || !normal_or_zero(w[i])) /* AMX reads subnormals as 0 */
-            return 0;
-        const uint32_t m = float_bits(v[i]) & 0x7fffff;
-        if (v[i] == 0.0f)
-            continue;
-        const uint32_t odd = (m | 0x800000) >> __builtin_ctz(m | 0x800000);
-        if (!g || odd % g)
-            g = gcd(g, odd);
-    }
-    const float s = g ? (float)g : 1.0f;
-    for (int i = 0; i < len; i++) {
-        const float d = v[i];
-        v[i] = d / s;
-        if ((float_bits(v[i]) & 0xffff) || !normal_or_zero(v[i]) || v[i] * s != d)
-            return 0;
-    }
-    *scale = s;
-    *offset = o;
-    return 1;
-}
-
-/* Rescales a fitted block's values v and its scale so the values are integers in [-128, 127], where they
-   are a power of two times such integers. Returns 0 where they are not (or the scale would not be normal). */
-static int integer_fit(float *v, int len, float *scale) {
-    int low = INT32_MAX; /* the exponent of the lowest set bit of any value */
-#if WIDE_FIT
-    for (int j = 0; j < len; j += 16) {
-        const __m512 x = _mm512_loadu_ps(v + j);
-        const __m512i u = _mm512_castps_si512(x);
-        const __m512i m = _mm512_or_si512(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffff)), _mm512_set1_epi32(0x800000));
-        const __m512i ctz = _mm512_sub_epi32(_mm512_set1_epi32(31), _mm512_lzcnt_epi32(_mm512_and_si512(
-                                                 m, _mm512_sub_epi32(_mm512_setzero_si512(), m))));
-        const __m512i e = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 23), _mm512_set1_epi32(0xff)),
-                                           _mm512_sub_epi32(ctz, _mm512_set1_epi32(150)));
-        const int mine = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_NEQ_UQ), e);
-        low = mine < low ? mine : low;
-    }
-#else
-    for (int i = 0; i < len; i++)
-        if (v[i] != 0.0f) {
-            const uint32_t u = float_bits(v[i]);
-            const int e = (int)((u >> 23) & 0xff) - 150 + __builtin_ctz((u & 0x7fffff) | 0x800000);
-            low = e < low ? e : low;
-        }
-#endif
-    if (low == INT32_MAX)
-        return 1;
-    const double down = ldexp(1.0, -low); /* exact in double, where a float might overflow */
-#if WIDE_FIT
-    for (int j = 0; j < len; j += 8) {
-        const __m256 x = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(v + j)), _mm512_set1_pd(down)));
-        if (_mm256_cmp_ps_mask(x, _mm256_set1_ps(-128.0f), _CMP_GE_OQ) != 0xff ||
-            _mm256_cmp_ps_mask(x, _mm256_set1_ps(127.0f), _CMP_LE_OQ) != 0xff)
-            return 0;
-        _mm256_storeu_ps(v + j, x);
-    }
-#else
-    for (int i = 0; i < len; i++) {
-        v[i] = (float)(v[i] * down);
-        if (v[i] < -128.0f || v[i] > 127.0f)
-            return 0;
-    }
-#endif
-    const double s = ldexp(*scale, low);
-    *scale = (float)s;
-    return normal_or_zero(*scale) && (double)*scale == s;
-}
-
-/* Packs w [N][K] (K a multiple of BLOCK) as w = scale * v (+ offset) per block, or per half block where
-   `halves` (int8 only: few_rows reads them), v bfloat16 (int8 where `narrow`, stored as v + 128 in k-quads),
-   into `values` (pairs * K * PAIR of them), `scales` and, where `offsets` is not NULL, `offsets` (float,
-   pairs * K / BLOCK * PAIR each, twice that with halves: [pair][block][half][PAIR]), pairs = ceil(N / PAIR).
-   Returns 0; -1 where some block has no such form, -2 where all have but some not in int8 (nothing usable is
-   left in the buffers then). */
-int slotserve_amx_pack(const float *w, long N, long K, float *offsets, void *values, float *scales, int narrow,
-                       int halves, int threads) {
-    if (K % BLOCK || (halves && !narrow))
-        return -1;
-    const long blocks = K / BLOCK, pairs = (N + PAIR - 1) / PAIR;
-    const int segments = halves ? 2 : 1, len = BLOCK / segments;
-    int bad = 0;
-#pragma omp parallel for schedule(dynamic, 4) num_threads(threads) reduction(| : bad)
-    for (long p = 0; p < pairs; p++) {
-        for (long b = 0; b < blocks && !bad; b++) {
-            const long tiles = (p * blocks + b) * 2 * TILE * BLOCK, at = (p * blocks + b) * PAIR * segments;
-            for (int r = 0; r < PAIR && !bad; r++) {
-                const long n = p * PAIR + r;
-                const int t = r / TILE, col = r % TILE;
-                float v[BLOCK] = {0};
-                for (int h = 0; h < segments; h++) {
-                    float scale = 1.0f, offset = 0.0f;
-                    if (n < N && !block_fit(w + n * K + b * BLOCK + h * len, len, offsets != NULL, &scale, &offset,
-                                            v + h * len))
-                        bad |= 1;
-                    else if (n < N && narrow && !integer_fit(v + h * len, len, &scale))
-                        bad |= 2;
-                    if (bad)
-                        break;
-                    scales[at + h * PAIR + r] = scale;
-                    if (offsets)
-                        offsets[at + h * PAIR + r] = offset;
-                }
-                for (int kq = 0; kq < BLOCK / 4 && narrow && !bad; kq++) { /* a k-quad's values, plus 128 */
-                    const float *f = v + 4 * kq;
-                    const uint8_t quad[4] = {(uint8_t)((int)f[0] + 128), (uint8_t)((int)f[1] + 128),
-                                             (uint8_t)((int)f[2] + 128), (uint8_t)((int)f[3] + 128)};
-                    memcpy((uint8_t *)values + tiles + t * TILE * BLOCK + (kq * TILE + col) * 4, quad, sizeof quad);
-                }
-                for (int kp = 0; kp < BLOCK / 2 && !narrow && !bad; kp++) { /* a k-pair's two values */
-                    const uint16_t pair[2] = {(uint16_t)(float_bits(v[2 * kp]) >> 16),
-                                              (uint16_t)(float_bits(v[2 * kp + 1]) >> 16)};
-                    memcpy((uint16_t *)values + tiles + t * TILE * BLOCK + (kp * TILE + col) * 2, pair, sizeof pair);
-                }
-            }
-        }
-    }
-    return bad & 1 ? -1 : bad ? -2 : 0;
-}
-
-#include "few_rows.c"
+#define GROUP 4 /* blocks whose tile sums are scaled together */
+#define TILES_PER_THREAD 4 /* row tiles per thread from which each thread splits its own (tile_gemm) */
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #include <immintrin.h>
@@ -374,10 +97,9 @@ static void split_tile(const float *x, long M, long K, long m0, uint16_t *parts,
    the default model's shapes, 24 layers' copies, 2 threads. With more row tiles the weights come from L3
    for all but the first, and the same prefetch measured 0.91-0.95x.
    A narrow block is widened into `wide` first (its k-quads as k-pairs, less 128): against its bfloat16
-   packing, same run, 1.03-1.07x on 32 rows (six runs of 15 rounds, gate/up and down shapes, 24 copies),
-   1.24x on one row, 0.97-1.02x on 512 (measured when narrow values were stored as pairs, before few_rows.c
-   took quads; `bench kernels`' prefill and batched decode fractions held). */
-static void pair_rows(const uint16_t *parts, const float *xsums, const slotserve_amx_weight *w, const float *bias,
+   packing, same run, 1.03-1.07x on 32 rows (gate/up and down shapes, 24 copies), 1.24x on one row,
+   0.97-1.02x on 512. */
+static void pair_rows(const uint16_t *parts, const float *xsums, const slotserve_packed_weight *w, const float *bias,
                       float *out, long M, long N, long K, long p, long m0, int prefetch) {
     const long blocks = K / BLOCK;
     const int rows = M - m0 > TILE ? PAIR : TILE;
@@ -462,14 +184,13 @@ static void pair_rows(const uint16_t *parts, const float *xsums, const slotserve
     }
 }
 
-/* out = x @ w^T + bias on AMX (slotserve_amx_gemm's calls of more than FEW rows, or of a bfloat16 packing).
-   Returns 0, or -1 where the scratch buffers could not be allocated. Rows go outermost: a thread's 32 rows
-   stay in its cache while the weight streams past them. A call of at least TILES_PER_THREAD row tiles a
+/* out = x @ w^T + bias on AMX. Returns 0, or -1 where the scratch buffers could not be allocated. Rows go
+   outermost: a thread's 32 rows stay in its cache while the weight streams past them. A call of at least TILES_PER_THREAD row tiles a
    thread (a prefill) gives each thread whole row tiles, split where they are used, in its own L2; fewer (a
    decode step) are split first and the threads share out the weight pairs of each. Against a pass that
    splits every row first (through DRAM), same bits, 512 rows of the default model's shapes, 2 threads: down
    1.18-1.24x, qkv 1.14x, gate/up 0.97-1.15x. */
-static int tile_gemm(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long M, long N,
+static int tile_gemm(const float *x, const slotserve_packed_weight *w, const float *bias, float *out, long M, long N,
                      long K, int threads) {
     const long tiles = (M + PAIR - 1) / PAIR, pairs = (N + PAIR - 1) / PAIR, blocks = K / BLOCK;
     const int by_tile = tiles >= TILES_PER_THREAD * threads;
@@ -514,21 +235,19 @@ static int tile_gemm(const float *x, const slotserve_amx_weight *w, const float 
 #else
 int slotserve_amx_init(void) { return -1; }
 
-static int tile_gemm(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long M, long N,
+static int tile_gemm(const float *x, const slotserve_packed_weight *w, const float *bias, float *out, long M, long N,
                      long K, int threads) {
     (void)x, (void)w, (void)bias, (void)out, (void)M, (void)N, (void)K, (void)threads;
     return -2;
 }
 #endif
 
-/* out = x @ w^T + bias with w packed by slotserve_amx_pack; bias may be NULL: a narrow packing's 1..FEW rows
-   on the vector units, other calls on AMX. Returns 0; -1 where a scratch buffer could not be allocated, -2 for
-   a call only AMX runs where it is not, or for more than FEW rows of a packing in halves (AMX sums whole blocks). */
-int slotserve_amx_gemm(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long M, long N,
-                       long K, int threads) {
+/* out = x @ w^T + bias on AMX, w packed by slotserve_pack_weight, bias may be NULL. Returns 0; -1 where a
+   scratch buffer could not be allocated; -2 where AMX does not run here, or for a packing in halves (AMX sums
+   whole blocks). */
+int slotserve_amx_gemm(const float *x, const slotserve_packed_weight *w, const float *bias, float *out, long M,
+                       long N, long K, int threads) {
     if (M <= 0)
         return 0;
-    if (w->narrow && M <= FEW)
-        return few_rows_gemm(x, w, bias, out, M, N, K, threads);
     return w->halves ? -2 : tile_gemm(x, w, bias, out, M, N, K, threads);
 }

@@ -8,7 +8,7 @@
    order whatever blocks hold them, and a head's arithmetic is the same however the tasks are cut, so a
    row's result is bitwise the same alone or batched, with its blocks consecutive or scattered.
 
-   Layouts: q and out [tokens][heads][head_dim]; caches [slots][kv_heads][head_dim] with slot =
+   Layouts: q and out [tokens][heads][head_dim]; caches [entries][kv_heads][head_dim] with entry =
    block * block_size + offset; block_tables [seqs][table_width] (int32); lens [seqs] (int32, keys to
    attend, the new token's included); rows [seqs] (int64, the sequence's query row in q and out). */
 
@@ -104,7 +104,7 @@ static void offsets_of(long *offsets, const int *table, long len, long block_siz
    keys. A key's rows for all of the task's kv heads lie side by side in the cache, so visiting the heads
    inside the loop over keys reads each block front to back. q, out: the sequence's row; scores: scratch
    of (h1 - h0) * group * padded floats (padded: len rounded up to the vector width); offsets: each
-   key's slot in the cache, in floats. */
+   key's entry in the cache, in floats. */
 static void attend(const float *q, float *out, const float *k_cache, const float *v_cache, const long *offsets,
                    long len, long padded, long h0, long h1, long group, long head_dim, float scale,
                    float *scores) {

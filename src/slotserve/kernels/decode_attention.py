@@ -23,7 +23,7 @@ def available() -> bool:
 
 @dataclass(frozen=True)
 class PagedTables:
-    """Which cache slots each decode row reads: sequence b's query row rows[b] attends to its first
+    """Which cache entries each decode row reads: sequence b's query row rows[b] attends to its first
     lens[b] positions, held in blocks block_tables[b]. Checked once when built (a step's every layer
     reads the same tables), since the kernel trusts them: a call then only compares the two bounds."""
 
@@ -84,7 +84,7 @@ class PagedTables:
 def decode_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      tables: PagedTables, block_size: int, scale: float) -> None:
     """For each sequence b, out[rows[b]] = softmax(q[rows[b]] K^T * scale) V over its first lens[b] cache
-    slots. q, out: [tokens, heads, head_dim]; caches: [slots, kv_heads, head_dim]; float32 CPU tensors,
+    positions. q, out: [tokens, heads, head_dim]; caches: [entries, kv_heads, head_dim]; float32 CPU tensors,
     contiguous."""
     attend = native.require(native.function(SOURCE, "slotserve_decode_attention", _ARGS), SOURCE)
     heads, head_dim = q.shape[1:]

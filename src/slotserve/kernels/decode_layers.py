@@ -8,7 +8,7 @@ import ctypes
 from pathlib import Path
 
 from slotserve.kernels import native
-from slotserve.kernels.amx_gemm import Packing
+from slotserve.kernels.packed_linear import Packing
 
 SOURCE = Path(__file__).with_name("decode_layers.c")
 _ARGS = (ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
@@ -17,26 +17,26 @@ _SCRATCH_ARGS = (ctypes.c_long,) * 6
 
 class Layer(ctypes.Structure):
     """One layer's weights and KV cache, as data pointers (NULL: no bias, no q/k norm), and its linears'
-    AMX packings."""
+    packings."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm", "gate_up", "down", "k_cache",
-        "v_cache")] + [(name, Packing) for name in ("qkv_amx", "o_amx", "gate_up_amx", "down_amx")]
+        "v_cache")] + [(name, Packing) for name in ("qkv_packed", "o_packed", "gate_up_packed", "down_packed")]
 
 
 class Step(ctypes.Structure):
-    """One decode step: shapes, the rows' token ids, positions and cache slots, the embedding, rotary tables
+    """One decode step: shapes, the rows' token ids, positions and cache indices, the embedding, rotary tables
     and final norm, the attention's paged tables; the output head, where its logits go and their argmax
     (NULL: none)."""
 
     _fields_ = ([(name, ctypes.c_long) for name in ("tokens", "hidden", "intermediate", "heads", "kv_heads",
-                                                   "head_dim", "num_slots", "vocab", "max_position")]
+                                                   "head_dim", "cache_entries", "vocab", "max_position")]
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
-                + [(name, ctypes.c_void_p) for name in ("ids", "positions", "slots", "embedding", "cos_table",
+                + [(name, ctypes.c_void_p) for name in ("ids", "positions", "cache_indices", "embedding", "cos_table",
                                                         "sin_table", "final_norm", "rows", "block_tables", "lens")]
                 + [(name, ctypes.c_long) for name in ("seqs", "table_width", "block_size")]
                 + [("scratch", ctypes.c_void_p), ("threads", ctypes.c_int)]
-                + [("head", ctypes.c_void_p), ("head_bias", ctypes.c_void_p), ("head_amx", Packing),
+                + [("head", ctypes.c_void_p), ("head_bias", ctypes.c_void_p), ("head_packed", Packing),
                    ("head_rows", ctypes.c_long), ("logits", ctypes.c_void_p), ("argmax", ctypes.c_void_p)])
 
 
@@ -57,7 +57,7 @@ def decode_layers(layers: ctypes.Array, step: Step, x: int, residual: int) -> No
     run = native.require(native.function(SOURCE, "slotserve_decode_layers", _ARGS), SOURCE)
     status = run(ctypes.addressof(layers), len(layers), ctypes.addressof(step), x, residual)
     if status == -2:
-        raise ValueError("decode_layers: a cache slot is out of range for the KV cache")
+        raise ValueError("decode_layers: a cache index is out of range for the KV cache")
     if status == -3:
         raise ValueError("decode_layers: a token id or a position is out of range for the model")
     if status:

@@ -1,15 +1,11 @@
-/* The few-row kernel: calls of 1..FEW rows of a narrow packing (amx_gemm.c's int8 values under a scale, and
-   an offset or not, per block of 32, or per half block: `halves`) on the vector units, on any CPU.
+/* The few-row kernel: calls of 1..FEW rows of a narrow packing (packed_linear.h: int8 values under a scale,
+   and an offset or not, per block of 32, or per half block: `halves`) on the vector units, on any CPU.
 
    At batch 1 a step streams every weight once, and how many vector operations a cache line costs bounds it
-   here: the fewer, the closer the stream comes to the machine's read rate (the float32 kernel spends one
-   multiply-add a line and streams at 0.93 of it). So the products are integers, and the weights stay bytes:
-   each 4 * VW bytes (VW outputs' values at 4 consecutive k, `quads`, stored plus 128 as unsigned bytes) meet
-   x's digits in four byte multiply-adds (VNNI's `vpdpbusd`), one per signed byte of x, where the 16-bit pair
-   products they replace cost two widenings and four `vpdpwssd` a line: 1.02-1.05x the stream rate of all the
-   default model's narrow linears from DRAM (0.82-0.83 of the read rate against 0.78-0.81; 2-vCPU Xeon,
-   processes alternated), batch-1 decode steps 1.00-1.05x. The same loop with loads alone and no products
-   made 0.87-0.90, with one byte product a line 0.87-0.92.
+   here: the fewer, the closer the stream comes to the machine's read rate. So the products are integers, and
+   the weights stay bytes: each 4 * VW bytes (VW outputs' values at 4 consecutive k, `quads`, stored plus 128
+   as unsigned bytes) meet x's digits in four byte multiply-adds (VNNI's `vpdpbusd`), one per signed byte of
+   x, where the 16-bit pair products (the build without VNNI) cost two widenings and four `vpdpwssd` a line.
 
    - Each row's x is written, per block of 32, as integers times a power of two, X = x * 2^q, q the largest
      that keeps every |X| within 2^X_BITS: exact where the block's values lie within 5 binary orders of its
@@ -29,14 +25,16 @@
    VNNI, plain C with fused multiply-adds) gives the same bits, and a row's bits do not depend on the other
    rows of its call. */
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include <omp.h>
 
+#include "packed_linear.h"
 #include "vector.h"
 
-#define FEW 4 /* the most rows few_rows takes: its accumulators stay in registers */
 #define FEW_AHEAD 16384 /* bytes: how far ahead few_rows fetches its weights */
 #define OUT_VECTORS (TILE / VW) /* vectors of one weight tile's outputs */
 #define X_BITS 29 /* |X| <= 2^X_BITS: hi and lo within 2^14, so in 16 bits and in two signed bytes each */
@@ -219,9 +217,10 @@ static inline vi pair_sums(vi a, vi b) {
 
 /* The rows of x (split: xs) against pair p of a narrow weight: its 2 * OUT_VECTORS output vectors, at_once of
    them a pass over the blocks (a pass reads their share of each cache line; the next finds the rest in L2).
-   Inlined into each case of few_rows_gemm's switch, so that its row and segment counts are constants: GCC left
-   the segments a variable otherwise (its loops' bounds a division at run time), 1.01-1.02x slower. */
-static inline __attribute__((always_inline)) void few_rows(const split_x *xs, const slotserve_amx_weight *w,
+   Inlined into each case of slotserve_few_rows_gemm's switch, so that its row and segment counts are
+   constants: GCC left the segments a variable otherwise (its loops' bounds a division at run time), 1.01-1.02x
+   slower. */
+static inline __attribute__((always_inline)) void few_rows(const split_x *xs, const slotserve_packed_weight *w,
                                                             const float *bias, float *out, long N, long K, long p,
                                                             const int rows, const int segments) {
     const long blocks = K / BLOCK;
@@ -337,11 +336,16 @@ static long take_pair(pair_run *run, int back) {
    (`take_pair`), so the thread held up (by the other tenants' memory traffic, say) is waited for a pair at
    most. Under a guided schedule, the one whose first chunk (half of the pairs, with 2 threads) ran slow was
    waited for at each call's end: 2.7-3.4 % of the threads' time in a batch-1 decode step (a static split
-   5.7 %), 0.8 % with these runs; decode steps 1.01-1.04x (rounds of steps alternated). Dynamic runs of 4-16 pairs measured
-   0.89-1.01x against guided (each run's prefetches fall in the next pairs, which the other thread may
-   take). A pair's bits are the same on any thread. Returns 0, or -1 without memory for the split rows. */
-static int few_rows_gemm(const float *x, const slotserve_amx_weight *w, const float *bias, float *out, long M,
-                         long N, long K, int threads) {
+   5.7 %), 0.8 % with these runs; decode steps 1.01-1.04x (rounds of steps alternated). Dynamic runs of 4-16
+   pairs measured 0.89-1.01x against guided (each run's prefetches fall in the next pairs, which the other
+   thread may take). A pair's bits are the same on any thread. Returns 0; -1 without memory for the split rows; -2 for a
+   packing that is not narrow, or more than FEW rows (the caller's other paths take those). */
+int slotserve_few_rows_gemm(const float *x, const slotserve_packed_weight *w, const float *bias, float *out, long M,
+                            long N, long K, int threads) {
+    if (M <= 0)
+        return 0;
+    if (!w->narrow || M > FEW)
+        return -2;
     const long pairs = (N + PAIR - 1) / PAIR, blocks = K / BLOCK;
     /* each row's digits (4 bytes a value), then its biases, units and sums (10 words a block) */
     int8_t *rows = malloc((size_t)(4 * M * K) + (size_t)(10 * M * blocks) * sizeof(float));

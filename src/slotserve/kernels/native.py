@@ -1,11 +1,11 @@
 """C kernels shipped as source: compiled once per machine with the system C compiler, loaded with ctypes.
 
-No build step at install time and no torch headers: a kernel is one plain C file (plus the shared
-vector.h; a file may include other kernels'), built on first use with `-march=native` into
-`$SLOTSERVE_CACHE/kernels/<hash>/` (the hash covers the sources, the flags, the compiler and the CPU, so
-a shared home directory never hands one machine another's build) and loaded from there afterwards. OpenMP
-regions in a kernel run on the OpenMP runtime torch has already loaded (`libgomp.so.1` is matched by its
-soname), so a kernel and torch's own ops share one set of threads.
+No build step at install time and no torch headers: a kernel is one plain C file (plus the headers the
+kernels share, vector.h and packed_linear.h; decode_layers.c includes the kernels it runs in one call), built
+on first use with `-march=native` into `$SLOTSERVE_CACHE/kernels/<hash>/` (the hash covers the sources, the
+flags, the compiler and the CPU, so a shared home directory never hands one machine another's build) and
+loaded from there afterwards. OpenMP regions in a kernel run on the OpenMP runtime torch has already loaded
+(`libgomp.so.1` is matched by its soname), so a kernel and torch's own ops share one set of threads.
 
 Where no compiler or OpenMP is at hand (or `SLOTSERVE_NATIVE_KERNELS=0`), `load` answers None and the
 caller keeps its torch path.

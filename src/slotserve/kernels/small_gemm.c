@@ -4,21 +4,18 @@
    and then read it again: three passes over weights that do not fit in any cache, where one would do.
    This file reads each weight once, straight from the row-major [N][K] layout of a checkpoint, in one
    of two ways. The threads take the weight rows ~48 at a time as they come free: on a shared machine one
-   core often runs slower than the other, and a static split waits for it at every call (measured on a
-   2-vCPU AMD EPYC, mean over alternating rounds: 1 row 109-124 vs 127-136 ms, 32 rows 281-298 vs 291-313
-   ms for the default model's weights). Which thread computes a row changes none of its bits.
+   core often runs slower than the other, and a static split waits for it at every call. Which thread
+   computes a row changes none of its bits.
 
    - Few rows (M <= DOT_ROWS): dot products. A tile of weight rows and batch rows keeps one vector
      accumulator per pair, each step loads a vector of every weight row and of every batch row, and the
-     lanes are summed at the end. Each weight row is one sequential stream: as fast as MKL's
-     matrix-vector product at one row, and 1.8x its GEMM at 8.
+     lanes are summed at the end. Each weight row is one sequential stream.
    - More rows: broadcasts. x is transposed once per call into xt[K][Mp] (Mp: M rounded up to the vector
      width, zero-padded) so that one vector holds one k for VW consecutive batch rows; a tile of nb
      weight rows x mv such vectors keeps nb*mv accumulators, and for each k broadcasts nb weights, one
-     fused multiply-add per accumulator. Fewer instructions per weight than dot products from ~12 rows
-     on (measured: 172 vs 240 ms for the default model's weights at 32 rows). Where the batch has more
-     vectors than a tile holds, a tile's rows meet them block by block, streamed from memory for the
-     first block and read from L1 or L2 for the others.
+     fused multiply-add per accumulator: fewer instructions per weight than dot products from DOT_ROWS + 1
+     rows on. Where the batch has more vectors than a tile holds, a tile's rows meet them block by block,
+     streamed from memory for the first block and read from L1 or L2 for the others.
 
    Either way an output element's sum runs in an order fixed by K alone, whatever M is and wherever the
    row sits in the batch: a row's result is bitwise the same in any batch of 1..DOT_ROWS rows, and in

@@ -1,10 +1,11 @@
 """Attention over a paged KV cache, for one flat batch of tokens from many sequences.
 
-Every layer's cache is a pair of tensors [num_slots, kv_heads, head_dim] where a slot is
-`block * block_size + offset`. The model runner says, per step, where each new token's K/V goes
-(`slot_mapping`) and which blocks hold each sequence's history (`block_tables`).
+Every layer's cache is a pair of tensors [num_blocks * block_size, kv_heads, head_dim], position p of a
+sequence at index `block_table[p // block_size] * block_size + p % block_size` (kv_cache/block_table.py).
+The model runner says, per step, where each new token's K/V goes (`cache_indices`) and which blocks hold each
+sequence's history (`block_tables`).
 
-How the history is read (`slotserve bench attention` measures the choices on this machine):
+How the history is read (`python -m slotserve.bench.dev attention` measures the choices on this machine):
 - on the CPU in float32 (decode mode "paged", where the kernel builds), every decode row is read by our
   own kernel (kernels/decode_attention.c) straight from its blocks: no copy, one call for all of them;
 - otherwise a sequence whose blocks are consecutive is one slice of the cache, read in place, no copy;
@@ -13,7 +14,7 @@ How the history is read (`slotserve bench attention` measures the choices on thi
   call for all of them, instead of a gather and a call per sequence;
 - prefill chunks attend one sequence at a time (their queries make the call worth its overhead).
 Apart from that kernel this backend is plain `torch` (SDPA), so it runs on CUDA too; a fused CUDA
-paged kernel would slot in behind the same `AttentionMetadata`.
+paged kernel would fit in behind the same `AttentionMetadata`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from torch import nn
 
 from slotserve.kernels import decode_attention
 from slotserve.kernels.decode_attention import PagedTables
-from slotserve.layers import changes
 
 DECODE_MODES = ("paged", "batched", "per_seq")
 # Every sequence is attended with its keys padded (and masked) to a multiple of this. torch's CPU
@@ -61,11 +61,11 @@ class GatherWorkspace:
 
 @dataclass
 class DecodeBatch:
-    """Decode rows read through one padded gather: row i attends to slots[i, :seq_len_i]."""
+    """Decode rows read through one padded gather: row i attends to indices[i, :seq_len_i]."""
 
     rows: torch.Tensor  # [B] query rows in the flat batch
-    slots: torch.Tensor  # [B, max_len] cache slots, padded with slot 0 (max_len: padded_len of the longest)
-    mask: torch.Tensor  # [B, 1, 1, max_len] True where a slot is real
+    indices: torch.Tensor  # [B, max_len] cache indices, padded with index 0 (max_len: padded_len of the longest)
+    mask: torch.Tensor  # [B, 1, 1, max_len] True where an index is real
 
 
 @dataclass
@@ -74,8 +74,8 @@ class AttentionMetadata:
 
     query_start: list[int]  # len = num_seqs + 1
     seq_lens: list[int]  # tokens in context after this step (history + new), per sequence
-    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
-    context: list[slice | torch.Tensor | None]  # per sequence its context's slots; None: in `decode`
+    cache_indices: torch.Tensor  # [num_tokens] where in the cache each new token's K/V goes
+    context: list[slice | torch.Tensor | None]  # per sequence its context's cache indices; None: in `decode`
     decode: DecodeBatch | PagedTables | None = None  # PagedTables: the native kernel's
     workspace: GatherWorkspace | None = None
     block_size: int = 0
@@ -87,7 +87,7 @@ class AttentionMetadata:
 
     @classmethod
     def build(
-        cls, query_lens: list[int], seq_lens: list[int], slot_mapping: torch.Tensor,
+        cls, query_lens: list[int], seq_lens: list[int], cache_indices: torch.Tensor,
         block_tables: list[list[int]], block_size: int, decode_mode: str = "batched",
         workspace: GatherWorkspace | None = None, gather_limit: int = 0,
     ) -> AttentionMetadata:
@@ -95,7 +95,7 @@ class AttentionMetadata:
         their blocks are consecutive (`gather_max_tokens`)."""
         if decode_mode not in DECODE_MODES:
             raise ValueError(f"decode_mode: must be one of {DECODE_MODES}, got {decode_mode!r}")
-        device = slot_mapping.device
+        device = cache_indices.device
         query_start = [0]
         for n in query_lens:
             query_start.append(query_start[-1] + n)
@@ -114,10 +114,10 @@ class AttentionMetadata:
                 context.append(None)
                 batched.append(i)
             else:
-                context.append(_slots(table, block_size, padded_len(length), device))
+                context.append(_cache_indices(table, block_size, padded_len(length), device))
         batch = ([query_start[i] for i in batched], [block_tables[i] for i in batched], [seq_lens[i] for i in batched])
         decode = None if not batched else (_paged_batch if paged else _decode_batch)(*batch, block_size, device)
-        return cls(query_start, list(seq_lens), slot_mapping, context, decode, workspace or GatherWorkspace(),
+        return cls(query_start, list(seq_lens), cache_indices, context, decode, workspace or GatherWorkspace(),
                    block_size)
 
 
@@ -146,28 +146,28 @@ def causal_mask(queries: int, seq_len: int, keys: int, dtype: torch.dtype, devic
 
 
 def _consecutive_start(blocks: list[int], length: int, block_size: int) -> int | None:
-    """The first slot of a sequence whose blocks, as far as its padded length reaches, are consecutive."""
+    """The first cache index of a sequence whose blocks, as far as its padded length reaches, are consecutive."""
     needed = -(-padded_len(length) // block_size)
     if needed <= len(blocks) and all(blocks[j + 1] == blocks[j] + 1 for j in range(needed - 1)):
         return blocks[0] * block_size
     return None
 
 
-def _slots(blocks: list[int], block_size: int, width: int, device: torch.device) -> torch.Tensor:
-    """The cache slots of a sequence's first `width` positions; past its blocks, slot 0 (masked out)."""
+def _cache_indices(blocks: list[int], block_size: int, width: int, device: torch.device) -> torch.Tensor:
+    """The cache indices of a sequence's first `width` positions; past its blocks, index 0 (masked out)."""
     used = blocks[: -(-min(width, len(blocks) * block_size) // block_size)]
-    slots = (torch.tensor(used, device=device)[:, None] * block_size + torch.arange(block_size, device=device))
-    slots = slots.flatten()[:width]
-    return torch.nn.functional.pad(slots, (0, width - len(slots)))
+    indices = (torch.tensor(used, device=device)[:, None] * block_size + torch.arange(block_size, device=device))
+    indices = indices.flatten()[:width]
+    return torch.nn.functional.pad(indices, (0, width - len(indices)))
 
 
 def _decode_batch(rows: list[int], tables: list[list[int]], lengths: list[int], block_size: int,
                   device: torch.device) -> DecodeBatch:
     width = padded_len(max(lengths))
-    slots = torch.stack([_slots(table, block_size, width, device) for table in tables])
+    indices = torch.stack([_cache_indices(table, block_size, width, device) for table in tables])
     lens = torch.tensor(lengths, device=device)
     mask = (torch.arange(width, device=device)[None, :] < lens[:, None])[:, None, None, :]
-    return DecodeBatch(torch.tensor(rows, device=device), slots, mask)
+    return DecodeBatch(torch.tensor(rows, device=device), indices, mask)
 
 
 def _paged_batch(rows: list[int], tables: list[list[int]], lengths: list[int], block_size: int,
@@ -193,20 +193,15 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in ("k_cache", "v_cache"):  # tensors kernels may point into (layers/changes.py)
-            changes.note(self)
-        super().__setattr__(name, value)
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        self.k_cache.index_copy_(0, meta.slot_mapping, k)
-        self.v_cache.index_copy_(0, meta.slot_mapping, v)
+        self.k_cache.index_copy_(0, meta.cache_indices, k)
+        self.v_cache.index_copy_(0, meta.cache_indices, v)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        for i, slots in enumerate(meta.context):
-            if slots is None:
+        for i, indices in enumerate(meta.context):
+            if indices is None:
                 continue
             start, end = meta.query_start[i], meta.query_start[i + 1]
-            keys, values = self._read(slots, meta.workspace)
+            keys, values = self._read(indices, meta.workspace)
             if i not in meta.masks:
                 meta.masks[i] = causal_mask(end - start, meta.seq_lens[i], keys.shape[0], q.dtype, q.device)
             piece = QUERY_PIECE if q.device.type == "cpu" else end - start
@@ -222,12 +217,12 @@ class Attention(nn.Module):
             out[meta.decode.rows] = self._attend_decode(q, meta.decode, meta.workspace)
         return out
 
-    def _read(self, slots: slice | torch.Tensor, workspace: GatherWorkspace) -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(slots, slice):
-            return self.k_cache[slots], self.v_cache[slots]
-        keys, values = workspace.take(len(slots), self.k_cache)
-        torch.index_select(self.k_cache, 0, slots, out=keys)
-        torch.index_select(self.v_cache, 0, slots, out=values)
+    def _read(self, indices: slice | torch.Tensor, workspace: GatherWorkspace) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(indices, slice):
+            return self.k_cache[indices], self.v_cache[indices]
+        keys, values = workspace.take(len(indices), self.k_cache)
+        torch.index_select(self.k_cache, 0, indices, out=keys)
+        torch.index_select(self.v_cache, 0, indices, out=values)
         return keys, values
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -239,8 +234,8 @@ class Attention(nn.Module):
         return out.squeeze(0).transpose(0, 1)
 
     def _attend_decode(self, q: torch.Tensor, batch: DecodeBatch, workspace: GatherWorkspace) -> torch.Tensor:
-        shape = (*batch.slots.shape, self.num_kv_heads, self.head_dim)
-        keys, values = self._read(batch.slots.flatten(), workspace)
+        shape = (*batch.indices.shape, self.num_kv_heads, self.head_dim)
+        keys, values = self._read(batch.indices.flatten(), workspace)
         keys = keys.view(shape).transpose(1, 2)  # [B, kv_heads, max_len, head_dim]
         values = values.view(shape).transpose(1, 2)
         out = F.scaled_dot_product_attention(q[batch.rows].unsqueeze(2), keys, values, attn_mask=batch.mask,

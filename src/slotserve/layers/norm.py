@@ -1,12 +1,12 @@
 """RMSNorm, computed in float32 whatever the weights' dtype (as the reference implementation does).
 
-On a CPU in float32 it is one native call (kernels/rows.c) instead of six torch ops, and with the
+On a CPU in float32 it is one native call (kernels/norm_rotary_swiglu_argmax.c) instead of six torch ops, and with the
 residual add before it (`add_and_norm`) one instead of seven."""
 
 import torch
 from torch import nn
 
-from slotserve.kernels import rows
+from slotserve.kernels import norm_rotary_swiglu_argmax as kernels
 
 
 class RMSNorm(nn.Module):
@@ -16,15 +16,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if rows.applies(x, self.weight):
-            return rows.rms_norm(x, self.weight, self.eps)
+        if kernels.applies(x, self.weight):
+            return kernels.rms_norm(x, self.weight, self.eps)
         return self._torch(x)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x): a decoder layer's residual add and the norm after it, as
         one native call on the CPU (which updates `residual` in place and returns it)."""
-        if rows.applies(x, residual, self.weight):
-            return rows.rms_norm(x, self.weight, self.eps, residual), residual
+        if kernels.applies(x, residual, self.weight):
+            return kernels.rms_norm(x, self.weight, self.eps, residual), residual
         residual = residual + x
         return self._torch(residual), residual
 

@@ -7,7 +7,8 @@ import math
 import torch
 
 from slotserve.config import RopeConfig
-from slotserve.kernels import native, rows
+from slotserve.kernels import native
+from slotserve.kernels import norm_rotary_swiglu_argmax as kernels
 
 
 def inverse_frequencies(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
@@ -73,7 +74,7 @@ class RotaryEmbedding:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotates [tokens, heads, head_dim] by pairing element j with element j + head_dim / 2 (on a CPU in
     float32, one native call instead of nine torch ops; x may be a column slice of wider rows)."""
-    if x.dim() == 3 and rows.rows_dense(x) and rows.applies(cos, sin) and native.takes(x):
-        return rows.rotary(x, cos.view(len(x), -1), sin.view(len(x), -1))
+    if x.dim() == 3 and kernels.rows_dense(x) and kernels.applies(cos, sin) and native.takes(x):
+        return kernels.rotary(x, cos.view(len(x), -1), sin.view(len(x), -1))
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slotserve.kernels import rows as row_kernels
+from slotserve.kernels import norm_rotary_swiglu_argmax as kernels
 from slotserve.outputs import Logprob, PositionLogprobs
 from slotserve.sampling_params import SamplingParams
 
@@ -40,7 +40,7 @@ class SamplingState:
     # Penalty bookkeeping, kept only when a penalty is set: the distinct tokens seen so far (the
     # prompt's too when repetition_penalty applies) and how often each occurs in the output, in
     # growable tensors, so a step touches those tokens rather than the whole vocabulary.
-    seen_slots: dict[int, int] | None = None  # token id -> index into the two tensors below
+    seen_index: dict[int, int] | None = None  # token id -> index into the two tensors below
     seen_ids: torch.Tensor | None = None  # [capacity] int64
     seen_output_counts: torch.Tensor | None = None  # [capacity] float32
 
@@ -69,7 +69,7 @@ class SamplingState:
         if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0:
             seen = list(dict.fromkeys(prompt_token_ids)) if params.repetition_penalty != 1.0 else []
             capacity = max(64, 2 * len(seen))
-            state.seen_slots = {t: i for i, t in enumerate(seen)}
+            state.seen_index = {t: i for i, t in enumerate(seen)}
             state.seen_ids = torch.zeros(capacity, dtype=torch.long, device=device)
             state.seen_ids[:len(seen)] = torch.tensor(seen, dtype=torch.long)
             state.seen_output_counts = torch.zeros(capacity, dtype=torch.float32, device=device)
@@ -77,22 +77,22 @@ class SamplingState:
 
     def append(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
-        if self.seen_slots is None:
+        if self.seen_index is None:
             return
-        slot = self.seen_slots.get(token_id)
-        if slot is None:
-            slot = self.seen_slots[token_id] = len(self.seen_slots)
-            if slot == len(self.seen_ids):  # full: double, so appends stay O(1) amortised
+        at = self.seen_index.get(token_id)
+        if at is None:
+            at = self.seen_index[token_id] = len(self.seen_index)
+            if at == len(self.seen_ids):  # full: double, so appends stay O(1) amortised
                 self.seen_ids = self.seen_ids.repeat(2)
                 self.seen_output_counts = torch.cat([self.seen_output_counts, self.seen_output_counts * 0])
-            self.seen_ids[slot] = token_id
-        self.seen_output_counts[slot] += 1
+            self.seen_ids[at] = token_id
+        self.seen_output_counts[at] += 1
 
     def takes_argmax(self) -> bool:
         """Whether the next token is the raw logits' argmax, with no logprobs asked: a greedy request
         that nothing processes (no penalty, bias or ban) at this step; the runner can pick it alone."""
         params = self.params
-        return (params.greedy and params.logprobs is None and not params.logit_bias and self.seen_slots is None
+        return (params.greedy and params.logprobs is None and not params.logit_bias and self.seen_index is None
                 and not self.banned_token_ids())
 
     def banned_token_ids(self) -> list[int]:
@@ -115,8 +115,8 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax of [B, V] logits (the first index among ties)."""
     # max(dim).indices is several times faster than torch's argmax on a CPU, and the native kernel ~5x
     # faster again (32 x 151,936: 5.6 ms in torch).
-    if logits.shape[1] and row_kernels.applies(logits):
-        return row_kernels.argmax(logits)
+    if logits.shape[1] and kernels.applies(logits):
+        return kernels.argmax(logits)
     return logits.max(dim=-1).indices
 
 
@@ -175,7 +175,7 @@ def process_logits(logits: torch.Tensor, states: list[SamplingState]) -> torch.T
             rows += [i] * len(s.params.logit_bias)
             cols += s.params.logit_bias.keys()
             values += s.params.logit_bias.values()
-    penalised = [i for i, s in enumerate(states) if s.seen_slots]
+    penalised = [i for i, s in enumerate(states) if s.seen_index]
     if not rows and not penalised:
         return logits
     logits = logits.clone()
@@ -195,7 +195,7 @@ def process_logits(logits: torch.Tensor, states: list[SamplingState]) -> torch.T
 def _penalise_(logits: torch.Tensor, states: list[SamplingState], rows: list[int]) -> None:
     """Repetition (prompt and output tokens), then frequency and presence (output tokens) penalties,
     in place on `logits[rows]`, over just the tokens each state has seen."""
-    sizes = [len(s.seen_slots) for s in states]
+    sizes = [len(s.seen_index) for s in states]
     total = sum(sizes)
     repeats = torch.tensor(sizes, device=logits.device)
 

@@ -1,17 +1,17 @@
 """A CPU decode step of a dense Qwen model, from its token embedding to its final norm, in one native call.
 
-qwen2.py is the model; this is how its decode steps run on a CPU in float32 where the native kernels are
-built. At batch 1 the GEMMs already stream the weights at the machine's read rate, and the rest of a
-token's time was ~10 Python-level calls per layer between them, each run in caches the last weight stream
-had flushed (2.5-5x its warm cost). kernels/decode_layers.c runs all the layers with the same kernels in
-the same order, so a row gets exactly the bits the layer-by-layer path gives it (a test checks).
+The model runner sends here every step whose sequences each compute one token, at most MAX_TOKENS of them
+(the small GEMM's rows), of a model this binds to: a dense Qwen model (qwen.py) with float32 weights on the
+CPU, and the native kernels built. Every other step, and every model it cannot run (MoE layers, int8 linears,
+other devices or dtypes), takes the layer-by-layer path. Why: at batch 1 the GEMMs stream the weights at the
+machine's read rate, and what is left is the Python between them, ~10 calls a layer, each run in caches the
+last weight stream flushed; kernels/decode_layers.c runs all the layers in one call, with the same kernels in
+the same order, so a row gets exactly the bits the layer-by-layer path gives it (a test checks). The step
+comes straight as lists, without the layer path's tensors and attention metadata.
 
-It takes a step whose every sequence computes one token, at most 64 of them (the small GEMM's rows), given
-straight as lists: the layer path's tensors and attention metadata cost ~0.5 ms of a batch-1 step here. The
-output head runs in the same call where it can (`_head`), and so does each row's argmax where the runner
-asks (a greedy row's pick: ScheduledSeq "greedy"). Linears packed for AMX run there for the rows their
-packing runs (`AmxWeight.runs`), as in layers/linear.py. Models it cannot run (MoE layers, int8 linears,
-weights outside the CPU or not float32) keep the layer-by-layer path.
+Within the call each linear dispatches as layers/linear.py does (a packing for the rows it runs:
+`PackedWeight.runs`, else the small GEMM); the output head runs there too where the kernel can run it
+(`_head`), and so does each row's argmax where the runner asks for it (Want.GREEDY).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 from slotserve.kernels import decode_layers
-from slotserve.kernels.amx_gemm import AmxWeight, Packing
-from slotserve.layers import changes
+from slotserve.kernels.packed_linear import PackedWeight, Packing
+from slotserve.kv_cache.block_table import cache_index, padded_tables
 from slotserve.layers.linear import NATIVE_ROWS, Linear
-from slotserve.models.qwen2 import QwenDecoderLayer, QwenMLP, QwenModel
+from slotserve.models.qwen import QwenDecoderLayer, QwenMLP, QwenModel
 
 MAX_TOKENS = NATIVE_ROWS.stop - 1
 
@@ -41,14 +41,14 @@ def _layer_tensors(layer: QwenDecoderLayer) -> list[torch.Tensor | None]:
             attn.attn.k_cache, attn.attn.v_cache]
 
 
-def _layer_amx(layer: QwenDecoderLayer) -> list[AmxWeight | None]:
-    """The AMX packings of the layer's qkv, o, gate/up and down weights, where they are current (None: not)."""
+def _layer_packed(layer: QwenDecoderLayer) -> list[PackedWeight | None]:
+    """The packings of the layer's qkv, o, gate/up and down weights, where they are current (None: not)."""
     attn, mlp = layer.self_attn, layer.mlp
-    return [m.current_amx() for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    return [m.current_packed() for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
 
 
 def _runnable(layer: QwenDecoderLayer) -> bool:
-    """Whether the kernel computes this layer as qwen2.py does: a dense MLP, float32 linears without the
+    """Whether the kernel computes this layer as qwen.py does: a dense MLP, float32 linears without the
     biases it has no place for, one eps for every norm, and everything dense on the CPU."""
     attn, mlp = layer.self_attn, layer.mlp
     if type(mlp) is not QwenMLP:
@@ -85,20 +85,19 @@ class FusedDecode:
     """The decode steps of one bound model. Built by `bind`."""
 
     def __init__(self, outer: nn.Module, tensors: list[list[torch.Tensor | None]],
-                 amx: list[list[AmxWeight | None]], head: Linear | None) -> None:
+                 packed: list[list[PackedWeight | None]], head: Linear | None) -> None:
         model: QwenModel = outer.model
-        # Held as well as pointed to (the kernel reads raw pointers); a model changed since (a weight, a
-        # module, a packing replaced: layers/changes.py) rebinds.
-        self.changes = changes.watch(outer.modules())
-        self.tensors, self.amx = tensors, amx
-        self.head, self.head_amx = head, None if head is None else head.current_amx()
+        # Held as well as pointed to: the kernel reads raw pointers. A model changed since is bound anew
+        # (ModelRunner.rebind); until then the step keeps computing with what it holds.
+        self.tensors, self.packed = tensors, packed
+        self.head, self.head_packed = head, None if head is None else head.current_packed()
         self.embedding, self.final_norm = model.embed_tokens.weight, model.norm.weight
         self.layers = (decode_layers.Layer * len(tensors))(*(
             decode_layers.Layer(*(None if t is None else t.data_ptr() for t in ts),
-                                *(Packing() if a is None else a.packing for a in packed))
-            for ts, packed in zip(tensors, amx, strict=True)))
+                                *(Packing() if p is None else p.packing for p in layer_packed))
+            for ts, layer_packed in zip(tensors, packed, strict=True)))
         first = model.layers[0].self_attn
-        hidden, self.num_slots = model.norm.weight.shape[0], first.attn.k_cache.shape[0]
+        hidden, self.cache_entries = model.norm.weight.shape[0], first.attn.k_cache.shape[0]
         intermediate = model.layers[0].mlp.down_proj.in_features
         heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         self.cos, self.sin = model.rotary.tables(self.embedding.device)
@@ -113,18 +112,18 @@ class FusedDecode:
         # The step's shapes and tensors; each call fills in its rows' integers and where the logits go.
         self.step = decode_layers.Step(
             hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-            num_slots=self.num_slots, vocab=self.embedding.shape[0], max_position=self.cos.shape[0],
+            cache_entries=self.cache_entries, vocab=self.embedding.shape[0], max_position=self.cos.shape[0],
             eps=model.layers[0].input_layernorm.eps, scale=first.attn.scale, embedding=self.embedding.data_ptr(),
             cos_table=self.cos.data_ptr(), sin_table=self.sin.data_ptr(), final_norm=self.final_norm.data_ptr(),
             scratch=self.scratch.data_ptr())
         if head is not None:
             self.step.head, self.step.head_rows = head.weight.data_ptr(), head.out_features
             self.step.head_bias = None if head.bias is None else head.bias.data_ptr()
-            self.step.head_amx = Packing() if self.head_amx is None else self.head_amx.packing
+            self.step.head_packed = Packing() if self.head_packed is None else self.head_packed.packing
 
     @classmethod
     def bind(cls, model: nn.Module) -> FusedDecode | None:
-        """For a dense Qwen model (Qwen2ForCausalLM and kin: `model.model` a QwenModel) whose layers the
+        """For a dense Qwen model (QwenForCausalLM and kin: `model.model` a QwenModel) whose layers the
         kernel can run, with the KV caches attached; None otherwise. Its output head runs in the same call
         where the kernel can run it (`_head`)."""
         inner = getattr(model, "model", None)
@@ -135,38 +134,30 @@ class FusedDecode:
                 for t in (inner.embed_tokens.weight, inner.norm.weight)):
             return None
         layers = inner.layers
-        return cls(model, [_layer_tensors(layer) for layer in layers], [_layer_amx(layer) for layer in layers],
+        return cls(model, [_layer_tensors(layer) for layer in layers], [_layer_packed(layer) for layer in layers],
                    _head(model))
-
-    def current(self) -> bool:
-        """Whether the model is as bound: no parameter, buffer, submodule, packing or cache of it replaced
-        since (layers/changes.py)."""
-        return changes.count() == self.changes
 
     def __call__(self, ids: list[int], positions: list[int], tables: list[list[int]], block_size: int,
                  logits: bool = True, argmax: bool = False) -> FusedStep:
         """A decode step (at most MAX_TOKENS rows): row i is token ids[i] at positions[i] of the sequence whose
-        cache blocks are tables[i] (each covering its position), its key and value written to that position's
-        slot. Where the head is bound, the step's logits where `logits` asks and their argmax where `argmax`
-        does (without logits, computed in a buffer of the fused step's own)."""
+        cache blocks are tables[i], its key and value written to that position's cache index (BlockTableError
+        where a table does not hold its position or names a block outside the cache). Where the head is bound,
+        the step's logits where `logits` asks and their argmax where `argmax` does (without logits, computed in
+        a buffer of the fused step's own)."""
         tokens = len(ids)
         if not 0 < tokens <= MAX_TOKENS or len(positions) != tokens or len(tables) != tokens:
             raise ValueError(f"fused decode: {tokens} ids, {len(positions)} positions and {len(tables)} tables "
                              f"for a step of 1..{MAX_TOKENS} rows")
         # The step's integers go to the kernel in two C arrays built straight from the lists.
-        if min(positions) < 0 or any(p >= len(t) * block_size for p, t in zip(positions, tables, strict=True)):
-            raise ValueError("fused decode: a position is negative or past its block table")
+        indices = [cache_index(t, p, block_size) for t, p in zip(tables, positions, strict=True)]
         width = max(positions) // block_size + 1
-        flat = array.array("i", itertools.chain.from_iterable(t[:width] + [0] * (width - len(t)) for t in tables))
-        if min(flat) < 0 or max(flat) >= self.num_slots // block_size:
-            raise ValueError("fused decode: a block id is out of range for the KV cache")
-        slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions, strict=True)]
-        longs = array.array("q", itertools.chain(ids, positions, slots, range(tokens)))
+        flat = padded_tables(tables, width, self.cache_entries // block_size)
+        longs = array.array("q", itertools.chain(ids, positions, indices, range(tokens)))
         ints = array.array("i", itertools.chain((p + 1 for p in positions), flat))
         at, int_at = longs.buffer_info()[0], ints.buffer_info()[0]
         step = self.step
         step.tokens = step.seqs = tokens
-        step.ids, step.positions, step.slots, step.rows = (at + 8 * tokens * i for i in range(4))
+        step.ids, step.positions, step.cache_indices, step.rows = (at + 8 * tokens * i for i in range(4))
         step.lens, step.block_tables = int_at, int_at + 4 * tokens
         step.table_width, step.block_size, step.threads = width, block_size, torch.get_num_threads()
         out = picks = None

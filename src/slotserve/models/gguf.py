@@ -317,7 +317,7 @@ def _run_jobs(jobs: list[_Job], run: Callable[[_Job], int], bar: tqdm, pool: Thr
     pending = iter(jobs)
     failed = False
 
-    def executor(_ctx: Any, _slot: int) -> None:
+    def executor(_ctx: Any, _index: int) -> None:
         nonlocal failed
         nbytes = 0
         while True:

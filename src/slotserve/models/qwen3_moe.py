@@ -1,8 +1,8 @@
-"""Qwen3-MoE (e.g. Qwen3-30B-A3B): the Qwen3 decoder (qwen2.py) with sparse mixture-of-experts MLPs.
+"""Qwen3-MoE (e.g. Qwen3-30B-A3B): the Qwen3 decoder (qwen.py) with sparse mixture-of-experts MLPs.
 
 Each sparse layer's router picks `num_experts_per_tok` of `num_experts` SwiGLU experts per token and
 sums their outputs weighted by the router's probabilities. Layers in `mlp_only_layers`, or off the
-`decoder_sparse_step` cadence, keep the dense MLP. Attention, norms and RoPE are Qwen3's (qwen2.py).
+`decoder_sparse_step` cadence, keep the dense MLP. Attention, norms and RoPE are Qwen3's (qwen.py).
 
 Experts are separate modules, each the dense MLP, loaded from Hugging Face checkpoint names
 (`mlp.experts.E.gate_proj.weight`): down_proj zero-copy from the memory-mapped file, gate and up copied
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slotserve.config import ConfigError, ModelConfig
-from slotserve.models.qwen2 import Qwen2ForCausalLM, QwenMLP
+from slotserve.models.qwen import QwenForCausalLM, QwenMLP
 from slotserve.parallel.cpu import torch_parfor
 
 # The chosen experts run across the pool, one torch thread each, when they average at least this many
@@ -85,7 +85,7 @@ def moe_mlp(cfg: ModelConfig, layer_idx: int) -> nn.Module:
     return SparseMoeBlock(cfg) if is_sparse_layer(cfg, layer_idx) else QwenMLP(cfg)
 
 
-class Qwen3MoeForCausalLM(Qwen2ForCausalLM):
+class Qwen3MoeForCausalLM(QwenForCausalLM):
     """Qwen3 with sparse MoE MLPs; attention, norms, RoPE, the head and the interface are Qwen3's."""
 
     mlp_for_layer = staticmethod(moe_mlp)

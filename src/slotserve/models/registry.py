@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from slotserve.models.qwen2 import Qwen2ForCausalLM, QwenForEmbedding
-from slotserve.models.qwen3 import Qwen3ForCausalLM
+from slotserve.models.qwen import QwenForCausalLM, QwenForEmbedding
 from slotserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
@@ -14,8 +13,8 @@ class UnsupportedArchitectureError(ValueError):
 
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen2ForCausalLM": QwenForCausalLM,
+    "Qwen3ForCausalLM": QwenForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen2Model": QwenForEmbedding,
     "Qwen3Model": QwenForEmbedding,

@@ -4,8 +4,8 @@ One setting (`--threads` / `SLOTSERVE_THREADS`, `--cpu-affinity`) sizes both. Th
 never run at once: torch runs the large GEMMs on all its intra-op threads, and the pool runs per-item
 work (the experts of a MoE layer in prefill, dequantizing GGUF tensors) with torch on one thread in
 every executor (`torch_parfor`). So each phase uses the cores once, and neither oversubscribes them.
-(Decode attention across the sequences was tried on the pool and lost: torch's OpenMP threads keep
-spinning on the cores for a while after each GEMM, and the step got 15-20 % slower.)
+Decode attention stays off the pool: torch's OpenMP threads keep spinning on the cores for a while after
+each GEMM, and pool threads beside them slow the step.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 `nthreads = workers + 1` executors: worker k takes chunk k, the calling thread takes the last chunk
 and then waits for the others (the join). The split is static and contiguous: with n items the first
 `n % nthreads` chunks get one item more than the rest (`chunk_bounds`). Inside a region `worker_id()`
-answers the executor's slot (the caller is `nthreads - 1`); outside any region it answers -1.
+answers the executor's index (the caller is `nthreads - 1`); outside any region it answers -1.
 
 The GIL lets one thread at a time run Python bytecode, so bodies that are pure Python gain nothing
 here: they run one after another and pay the dispatch on top. The pool earns its place for bodies
@@ -12,7 +12,7 @@ that spend their time in code that releases the GIL (torch and numpy kernels, de
 reads), each body call a real piece of work (a block of rows, one expert, one tensor) rather than
 one scalar. Such bodies should run torch single-threaded or nearly so: see `configure_torch_threads`.
 
-How a region runs, after the C engine this follows (seed 000):
+How a region runs:
 - Publishing a region wakes only the workers that sleep: a worker that has just finished a chunk
   polls for the next region for a short while (`_WORKER_POLL_S`) before it goes to sleep.
 - The join waits in tiers: it spins `join_spin` rounds (env `SLOTSERVE_TP_JOIN_SPIN`), then yields
@@ -24,7 +24,7 @@ How a region runs, after the C engine this follows (seed 000):
   after the join the caller re-raises it (the first one raised; later ones in the same region are
   dropped). The pool stays usable.
 - One region at a time per pool: parfor calls from different threads take turns.
-- Workers are daemon threads named `slotserve-tp-<slot>` (they show in `py-spy dump`). They start on
+- Workers are daemon threads named `slotserve-tp-<index>` (they show in `py-spy dump`). They start on
   the first region; `shutdown()` (also run at exit) stops them. In a forked child every pool gets
   fresh workers on its next region, since the parent's threads do not exist there.
 """
@@ -53,12 +53,12 @@ _JOIN_SLEEP_S = 0.001
 _RESIGNAL_S = 2.0
 _WORKER_POLL_S = 0.0005  # an idle worker looks for the next region this long before it sleeps
 
-_local = threading.local()  # .wid: this thread's slot in the region it is executing, else -1
+_local = threading.local()  # .wid: this thread's executor index in the region it is executing, else -1
 
 
 def worker_id() -> int:
-    """The calling executor's slot in the current region: 0..workers-1 for workers, nthreads-1 for
-    the thread that called parfor; -1 outside any region. A nested (serial) parfor keeps the slot of
+    """The calling executor's index in the current region: 0..workers-1 for workers, nthreads-1 for
+    the thread that called parfor; -1 outside any region. A nested (serial) parfor keeps the index of
     the region it runs in."""
     return getattr(_local, "wid", -1)
 
@@ -154,7 +154,7 @@ class _Region:
 
 @dataclass(eq=False)
 class _Worker:
-    slot: int
+    index: int  # its executor index, and its chunk's
     wake: threading.Event = field(default_factory=threading.Event)
     sleeping: bool = False
     thread: threading.Thread | None = None
@@ -220,7 +220,7 @@ class ThreadPool:
             region = _Region(self._gen, body, ctx, bounds, [lo == hi for lo, hi in bounds[:-1]])
             self._region = region  # publish: polling workers see the new gen without any syscall
             for w in self._workers:
-                if w.sleeping and not region.done[w.slot]:
+                if w.sleeping and not region.done[w.index]:
                     w.wake.set()
             _local.wid = self.threads - 1
             try:
@@ -247,7 +247,7 @@ class ThreadPool:
             time.sleep(_JOIN_SLEEP_S)
             if now >= resignal_at:  # a lost wake-up would otherwise hang the caller for good
                 for w in self._workers:
-                    if not done[w.slot]:
+                    if not done[w.index]:
                         w.wake.set()
                 resignal_at = now + _RESIGNAL_S
 
@@ -255,11 +255,11 @@ class ThreadPool:
         """Starts the missing workers and waits until each runs (and is pinned, when asked)."""
         pin_errors: list[OSError] = []
         started = []
-        for slot in range(len(self._workers), self.workers):
-            w = _Worker(slot)
+        for index in range(len(self._workers), self.workers):
+            w = _Worker(index)
             ready = threading.Event()
             w.thread = threading.Thread(target=self._worker_main, args=(w, ready, pin_errors),
-                                        name=f"slotserve-tp-{slot}", daemon=True)
+                                        name=f"slotserve-tp-{index}", daemon=True)
             w.thread.start()
             started.append(ready)
             self._workers.append(w)
@@ -273,7 +273,7 @@ class ThreadPool:
     def _worker_main(self, w: _Worker, ready: threading.Event, pin_errors: list[OSError]) -> None:
         if self.cpu_affinity is not None:
             try:  # pid 0 means the calling thread on Linux
-                os.sched_setaffinity(0, {self.cpu_affinity[w.slot % len(self.cpu_affinity)]})
+                os.sched_setaffinity(0, {self.cpu_affinity[w.index % len(self.cpu_affinity)]})
             except OSError as e:
                 pin_errors.append(e)
         ready.set()
@@ -289,12 +289,12 @@ class ThreadPool:
                 # kernels do not, and would run with the machine's default OpenMP team.
                 sys.modules["torch"].get_num_threads()
                 torch_ready = True
-            _local.wid = w.slot
+            _local.wid = w.index
             try:
-                _run_chunk(region, w.slot)
+                _run_chunk(region, w.index)
             finally:
                 _local.wid = -1
-                region.done[w.slot] = True
+                region.done[w.index] = True
 
     def _next_region(self, w: _Worker, seen: int) -> _Region | None:
         """Polls for a region newer than `seen`, then sleeps until woken; None when stopping."""
@@ -345,8 +345,8 @@ class ThreadPool:
         self._init_state()
 
 
-def _run_chunk(region: _Region, slot: int) -> None:
-    lo, hi = region.bounds[slot]
+def _run_chunk(region: _Region, index: int) -> None:
+    lo, hi = region.bounds[index]
     body, ctx = region.body, region.ctx
     try:
         for i in range(lo, hi):

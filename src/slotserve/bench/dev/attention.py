@@ -1,4 +1,4 @@
-"""`slotserve bench attention`: ways of reading the paged KV cache in a decode step, timed on one
+"""`python -m slotserve.bench.dev attention`: ways of reading the paged KV cache in a decode step, timed on one
 attention layer (default: Qwen3-0.6B's shape, 16 sequences of ~750 context tokens)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from slotserve.kv_cache.block_table import cache_index
 from slotserve.layers.attention import Attention, AttentionMetadata, GatherWorkspace, paged_decode_available
 
 
@@ -47,8 +48,8 @@ def run_attention(args: argparse.Namespace) -> dict[str, Any]:
     workspace = GatherWorkspace()
 
     def meta(tables: list[list[int]], mode: str) -> AttentionMetadata:
-        slots = torch.tensor([t[(ln - 1) // bs] * bs + (ln - 1) % bs for t, ln in zip(tables, lengths, strict=True)])
-        return AttentionMetadata.build([1] * n, lengths, slots, tables, bs, decode_mode=mode, workspace=workspace)
+        indices = torch.tensor([cache_index(t, ln - 1, bs) for t, ln in zip(tables, lengths, strict=True)])
+        return AttentionMetadata.build([1] * n, lengths, indices, tables, bs, decode_mode=mode, workspace=workspace)
 
     timings = {
         "gather_per_seq_ms": _time(attn, q, k, v, meta(scattered, "per_seq"), args.repeats),

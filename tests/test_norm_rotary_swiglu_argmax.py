@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slotserve.kernels import rows
+from slotserve.kernels import norm_rotary_swiglu_argmax as kernels
 from slotserve.layers.activation import silu_mul
 from slotserve.layers.norm import RMSNorm
 from slotserve.layers.rotary import apply_rotary
 
-needs_kernel = pytest.mark.skipif(not rows.available(), reason="no C compiler with OpenMP here")
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no C compiler with OpenMP here")
 
 
 def _norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -39,10 +39,10 @@ def test_rms_norm_matches_reference(shape):
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("shape", [(1, 896), (100, 13), (1, 1)])
 def test_add_and_norm_adds_the_residual_then_normalizes(shape, native, monkeypatch):
-    if native and not rows.available():
+    if native and not kernels.available():
         pytest.skip("no C compiler with OpenMP here")
     if not native:
-        monkeypatch.setattr(rows, "applies", lambda *t: False)
+        monkeypatch.setattr(kernels, "applies", lambda *t: False)
     torch.manual_seed(0)
     norm = RMSNorm(shape[-1], 1e-6)
     norm.weight.data = torch.randn(shape[-1])
@@ -59,10 +59,10 @@ def test_add_and_norm_adds_the_residual_then_normalizes(shape, native, monkeypat
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize(("tokens", "inner"), [(1, 4864), (70, 19), (3, 1)])
 def test_silu_mul_matches_reference(tokens, inner, native, monkeypatch):
-    if native and not rows.available():
+    if native and not kernels.available():
         pytest.skip("no C compiler with OpenMP here")
     if not native:
-        monkeypatch.setattr(rows, "applies", lambda *t: False)
+        monkeypatch.setattr(kernels, "applies", lambda *t: False)
     torch.manual_seed(0)
     x = torch.randn(tokens, 2 * inner) * 4
     x[0, :3] = torch.tensor([-200.0, 200.0, 0.0])[: min(3, inner)]  # exp's overflow and underflow
@@ -99,7 +99,7 @@ def test_rotary_reads_a_column_slice_of_wider_rows():
         assert out.is_contiguous() and torch.equal(out, apply_rotary(qk.contiguous(), cos, sin))
     torch.testing.assert_close(out, _rotary_reference(qk, cos, sin), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="dense heads"):
-        rows.rotary(torch.randn(4, 16, 2).transpose(1, 2), torch.randn(4, 8), torch.randn(4, 8))
+        kernels.rotary(torch.randn(4, 16, 2).transpose(1, 2), torch.randn(4, 8), torch.randn(4, 8))
 
 
 @needs_kernel
@@ -126,13 +126,13 @@ def test_autograd_and_other_dtypes_keep_the_torch_path():
 @needs_kernel
 def test_row_kernels_reject_shapes_that_do_not_fit():
     with pytest.raises(ValueError, match="weight"):
-        rows.rms_norm(torch.randn(4, 16), torch.randn(15), 1e-6)
+        kernels.rms_norm(torch.randn(4, 16), torch.randn(15), 1e-6)
     with pytest.raises(ValueError, match="residual"):
-        rows.rms_norm(torch.randn(4, 16), torch.randn(16), 1e-6, torch.randn(3, 16))
+        kernels.rms_norm(torch.randn(4, 16), torch.randn(16), 1e-6, torch.randn(3, 16))
     with pytest.raises(ValueError, match="silu_mul"):
-        rows.silu_mul(torch.randn(4, 7))
+        kernels.silu_mul(torch.randn(4, 7))
     with pytest.raises(ValueError, match="do not fit"):
-        rows.rotary(torch.randn(4, 2, 16), torch.randn(4, 7), torch.randn(4, 7))
+        kernels.rotary(torch.randn(4, 2, 16), torch.randn(4, 7), torch.randn(4, 7))
 
 
 @needs_kernel
@@ -140,7 +140,7 @@ def test_row_kernels_reject_shapes_that_do_not_fit():
 def test_argmax_matches_torch(shape):
     torch.manual_seed(0)
     x = torch.randn(shape)
-    assert torch.equal(rows.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(kernels.argmax(x), x.argmax(dim=-1))
 
 
 @needs_kernel
@@ -153,12 +153,12 @@ def test_argmax_takes_the_first_of_equals_and_nan_as_torch_does():
     x[4, 30] = float("inf")
     x[5, 33] = x[5, 39] = float("inf")
     x[6, 42] = 1.0  # the largest only in the tail
-    assert rows.argmax(x).tolist() == x.max(dim=-1).indices.tolist() == [0, 7, 3, 0, 9, 33, 42]
+    assert kernels.argmax(x).tolist() == x.max(dim=-1).indices.tolist() == [0, 7, 3, 0, 9, 33, 42]
 
 
 @needs_kernel
 def test_argmax_rejects_what_has_no_largest_value():
     with pytest.raises(ValueError, match="argmax"):
-        rows.argmax(torch.zeros(3, 0))
+        kernels.argmax(torch.zeros(3, 0))
     with pytest.raises(ValueError, match="argmax"):
-        rows.argmax(torch.zeros(8))
+        kernels.argmax(torch.zeros(8))

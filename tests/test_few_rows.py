@@ -12,11 +12,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from slotserve.engine.model_runner import ModelRunner
-from slotserve.kernels import amx_gemm, native
+from slotserve.kernels import native, packed_linear
+from slotserve.kernels.packed_linear import AMX_MIN_ROWS, BLOCK, FEW_ROWS, PAIR, PackedWeight
 from slotserve.layers.linear import Linear
 from slotserve.models.loader import load_model
 from tests.conftest import build_tiny_model
-from tests.test_amx_gemm import (
+from tests.test_packed_linear import (
     FEW_ROW_WEIGHTS,
     _block_scaled,
     _q4_k,
@@ -26,36 +27,36 @@ from tests.test_amx_gemm import (
     assert_fused_steps_have_the_layer_paths_bits,
 )
 
-pytestmark = pytest.mark.skipif(not amx_gemm.packs(), reason="native kernels not built here")
+pytestmark = pytest.mark.skipif(not packed_linear.packs(), reason="native kernels not built here")
 
 
 @pytest.fixture
 def no_amx(monkeypatch):
     """The engine as on a CPU without AMX."""
     monkeypatch.setenv("SLOTSERVE_AMX", "0")
-    amx_gemm.available.cache_clear()
+    packed_linear.amx_available.cache_clear()
     yield
     monkeypatch.undo()
-    amx_gemm.available.cache_clear()
+    packed_linear.amx_available.cache_clear()
 
 
 def test_without_amx_integer_blocks_pack_for_their_few_rows_only(no_amx):
-    assert not amx_gemm.available()
+    assert not packed_linear.amx_available()
     for w in (_block_scaled(64, 96, 16), _block_scaled(64, 96, 127), _q4_k(64, 96), _q6_k(64, 96)):
-        packed = amx_gemm.AmxWeight.pack(w)
+        packed = PackedWeight.pack(w)
         assert packed.narrow and [packed.runs(r) for r in range(7)] == [False, True, True, True, True, False, False]
-        assert not packed.runs(amx_gemm.MIN_ROWS) and not packed.runs(300)
+        assert not packed.runs(AMX_MIN_ROWS) and not packed.runs(300)
     # bfloat16 values would need AMX to be worth their 2 bytes: float32 stays.
-    assert amx_gemm.AmxWeight.pack(torch.randn(64, 96).bfloat16().float()) is None
+    assert PackedWeight.pack(torch.randn(64, 96).bfloat16().float()) is None
 
 
 def test_without_amx_a_linear_runs_few_rows_packed_and_more_on_its_float32_weight(no_amx):
     layer = Linear(96, 64, bias=True).requires_grad_(False)
     layer.weight.data.copy_(_q4_k(64, 96))
-    assert layer.bind_amx()
-    assert layer.streamed_bytes(1) == layer.amx.nbytes < layer.weight.nbytes
-    assert layer.streamed_bytes(amx_gemm.FEW_ROWS + 1) == layer.weight.nbytes
-    assert_a_linear_runs_packed_where_its_packing_runs(layer, (1, amx_gemm.FEW_ROWS, amx_gemm.FEW_ROWS + 1, 40))
+    assert layer.pack()
+    assert layer.streamed_bytes(1) == layer.packed.nbytes < layer.weight.nbytes
+    assert layer.streamed_bytes(FEW_ROWS + 1) == layer.weight.nbytes
+    assert_a_linear_runs_packed_where_its_packing_runs(layer, (1, FEW_ROWS, FEW_ROWS + 1, 40))
 
 
 @pytest.mark.parametrize("kind", FEW_ROW_WEIGHTS)
@@ -75,19 +76,20 @@ OTHER_BUILDS = {"avx2 vnni": ("-mno-avx512f",), "avx2": ("-mno-avx512f", "-mno-a
 @pytest.mark.parametrize("kind", FEW_ROW_WEIGHTS)
 def test_other_builds_give_the_same_bits(kind, build):
     """The same integers and the same float operations lane by lane, whatever the vector width and products."""
-    gemm = native.function(amx_gemm.SOURCE, "slotserve_amx_gemm", amx_gemm._GEMM_ARGS, OTHER_BUILDS[build])
+    gemm = native.function(packed_linear.FEW_ROWS_SOURCE, "slotserve_few_rows_gemm", packed_linear._GEMM_ARGS,
+                           OTHER_BUILDS[build])
     if gemm is None:
         pytest.skip(f"no {build} build here")
     n, k = 1000, 896  # pairs of weight tiles and a last, partial one
-    packed = amx_gemm.AmxWeight.pack(FEW_ROW_WEIGHTS[kind](n, k), torch.randn(n))
-    x = torch.randn(amx_gemm.FEW_ROWS + 1, k)
-    for rows in range(1, amx_gemm.FEW_ROWS + 1):
+    packed = PackedWeight.pack(FEW_ROW_WEIGHTS[kind](n, k), torch.randn(n))
+    x = torch.randn(FEW_ROWS + 1, k)
+    for rows in range(1, FEW_ROWS + 1):
         out = torch.empty(rows, n)
         assert gemm(x.data_ptr(), ctypes.byref(packed.packing), packed.bias.data_ptr(), out.data_ptr(), rows, n, k,
                     2) == 0
         assert torch.equal(out, packed(x[:rows]))
-    # No AMX in that build: more rows are the caller's float32 path.
-    assert gemm(x.data_ptr(), ctypes.byref(packed.packing), None, out.data_ptr(), amx_gemm.FEW_ROWS + 1, n, k, 2) == -2
+    # More rows than the few-row kernel takes: the caller's other paths (AMX, or the float32 weight).
+    assert gemm(x.data_ptr(), ctypes.byref(packed.packing), None, out.data_ptr(), FEW_ROWS + 1, n, k, 2) == -2
 
 
 def test_without_amx_the_fused_step_has_the_layer_paths_bits(no_amx, tmp_path):
@@ -102,8 +104,10 @@ def test_without_amx_the_fused_step_has_the_layer_paths_bits(no_amx, tmp_path):
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     fused, layers = (ModelRunner(*load_model(tmp_path, torch.float32, torch.device("cpu")), num_blocks=64,
                                  block_size=4) for _ in range(2))
-    assert fused.packed_linears == 4 and fused.amx_linears == 0 and fused.fused is not None  # gate/up, down
-    assert_fused_steps_have_the_layer_paths_bits(fused, layers, (1, amx_gemm.FEW_ROWS, amx_gemm.FEW_ROWS + 1))
+    report = fused.packing_report
+    assert (report.packed, report.on_amx) == (4, 0) and fused.fused is not None  # gate/up, down
+    assert report.summary() == f"bytes for 1-{FEW_ROWS} rows: 4 of {report.linears} linears"
+    assert_fused_steps_have_the_layer_paths_bits(fused, layers, (1, FEW_ROWS, FEW_ROWS + 1))
 
 
 @functools.cache
@@ -126,7 +130,7 @@ def _packing_cases() -> dict[str, torch.Tensor]:
 def test_packing_gives_the_scalar_builds_bits(kind):
     """pack's AVX-512 build fits 16 weights a vector; the AVX2 build is the scalar code: the same answer and
     the same buffers in every form tried."""
-    pack, scalar = (native.function(amx_gemm.SOURCE, "slotserve_amx_pack", amx_gemm._PACK_ARGS, flags)
+    pack, scalar = (native.function(packed_linear.PACK_SOURCE, "slotserve_pack_weight", packed_linear._PACK_ARGS, flags)
                     for flags in ((), ("-mno-avx512f",)))
     if scalar is None:
         pytest.skip("no AVX2 build here")
@@ -134,10 +138,10 @@ def test_packing_gives_the_scalar_builds_bits(kind):
     n, k = w.shape
     for offsets in (False, True):
         for narrow, halves in ((True, False), (True, True), (False, False)):
-            scalars = -(-n // amx_gemm.PAIR) * amx_gemm.PAIR * (k // amx_gemm.BLOCK) * (2 if halves else 1)
+            scalars = -(-n // PAIR) * PAIR * (k // BLOCK) * (2 if halves else 1)
             outputs = []
             for f in (pack, scalar):
-                values = torch.zeros(scalars * amx_gemm.BLOCK // (2 if halves else 1), dtype=torch.int8 if narrow
+                values = torch.zeros(scalars * BLOCK // (2 if halves else 1), dtype=torch.int8 if narrow
                                      else torch.int16)
                 scales, offs = torch.zeros(scalars), torch.zeros(scalars) if offsets else None
                 fit = f(w.data_ptr(), n, k, offs.data_ptr() if offsets else None, values.data_ptr(),
@@ -158,7 +162,7 @@ def test_few_rows_take_x_of_any_range(no_amx, kind):
     n, k = 70, 256
     g = torch.Generator().manual_seed(7)
     w, bias = FEW_ROW_WEIGHTS[kind](n, k), torch.randn(n, generator=g)
-    packed = amx_gemm.AmxWeight.pack(w, bias)
+    packed = PackedWeight.pack(w, bias)
     x = torch.randn(4, k, generator=g)
     x[1, 40], x[2, 200] = float("nan"), float("-inf")
     out = packed(x)
@@ -172,5 +176,5 @@ def test_few_rows_take_x_of_any_range(no_amx, kind):
     assert torch.equal(packed(torch.zeros(2, k)), bias.expand(2, n))
     tiny = torch.randn(1, k, generator=g) * 2.0**-110
     exact = (tiny.double() @ w.double().T) * 2.0**110
-    ours = amx_gemm.AmxWeight.pack(w)(tiny).double() * 2.0**110
+    ours = PackedWeight.pack(w)(tiny).double() * 2.0**110
     assert (ours - exact).abs().max() <= 2**-16 * exact.abs().max()

@@ -1,4 +1,4 @@
-"""`slotserve bench threads`: what the parfor pool costs and what it buys on this machine.
+"""`python -m slotserve.bench.dev threads`: what the parfor pool costs and what it buys on this machine.
 
 - dispatch: microseconds per empty region (one no-op item per executor), the pool against
   `concurrent.futures.ThreadPoolExecutor` (submit nthreads tasks, wait for all), per thread count.
@@ -117,7 +117,7 @@ def _matmul(args: argparse.Namespace, counts: list[int], cpus: list[int] | None)
 
 def _engine(make_engine: Callable[[], Any], args: argparse.Namespace, counts: list[int],
             cpus: list[int] | None) -> dict[str, Any]:
-    from slotserve.bench.kernels import decode_step
+    from slotserve.bench.dev.kernels import decode_step
     from slotserve.parallel.cpu import apply_cpu_settings, restrict_process
 
     engine = make_engine()

@@ -1,7 +1,9 @@
-"""Qwen2 / Qwen2.5 decoder (q/k/v bias, GQA, SwiGLU, RMSNorm, RoPE) over a flat batch of tokens.
+"""The dense Qwen decoder (GQA, SwiGLU, RMSNorm, RoPE) over a flat batch of tokens: Qwen2 / Qwen2.5 and Qwen3.
 
-Qwen3 dense is the same network with q/k RMSNorm, no bias and an explicit head_dim; `ModelConfig`
-carries those switches, so both architectures are this one module (see qwen3.py).
+The two are one network with three switches that `ModelConfig` carries: Qwen2 adds a bias to q, k and v
+(`attention_bias`); Qwen3 has none, normalizes each q and k head (`qk_norm`) and sets its own `head_dim`.
+So both architectures are `QwenForCausalLM` (models/registry.py), and Qwen3-MoE is it with sparse MLPs
+(qwen3_moe.py).
 """
 
 from __future__ import annotations
@@ -125,9 +127,9 @@ class QwenModel(nn.Module):
         return self.norm.add_and_norm(x, residual)[0]
 
 
-class Qwen2ForCausalLM(nn.Module):
-    """Input: a flat batch of token ids with their positions; output: hidden states, then logits
-    for only the rows that sample."""
+class QwenForCausalLM(nn.Module):
+    """Qwen2ForCausalLM and Qwen3ForCausalLM. Input: a flat batch of token ids with their positions; output:
+    hidden states, then logits for only the rows that sample."""
 
     # Each layer's MLP: dense here; Qwen3-MoE swaps in its sparse blocks (qwen3_moe.py).
     mlp_for_layer: ClassVar[MlpFactory] = staticmethod(dense_mlp)

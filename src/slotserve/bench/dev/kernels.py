@@ -1,8 +1,8 @@
-"""`slotserve bench kernels`: this machine's limits (memory read bandwidth, fp32 GEMM rate, fp32 multiply-add
-peak) and the engine's speed as fractions of the bounds they imply.
+"""`python -m slotserve.bench.dev kernels`: this machine's limits (memory read bandwidth, fp32 GEMM rate,
+fp32 multiply-add peak) and the engine's speed as fractions of the bounds they imply.
 
 - batch-1 decode streams every weight once per token: bound = bandwidth / weight bytes per token (in the
-  form the step reads them: float32, or a narrow AMX packing's bytes);
+  form the step reads them: float32, or a narrow packing's bytes);
 - prefill (one 512-token prompt) and batched decode (32 sequences) are GEMM work: bound = FLOPs of the
   step (linear layers and attention) / the GEMM rate; beside it, the same FLOPs as a fraction of the
   hardware's multiply-add peak (`fma_peak`), which no float32 GEMM on the vector units beats (linears on
@@ -22,23 +22,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from slotserve import host_memory
+from slotserve.bench.bounds import GEMM_FLOPS, attention_pair_flops, fma_peak, gemm_pass, linear_params
 from slotserve.bench.timing import median_seconds, seconds
 from slotserve.engine.llm_engine import LLMEngine
-from slotserve.engine.model_runner import ScheduledSeq
+from slotserve.engine.model_runner import ScheduledSeq, Want
 from slotserve.kernels import native
-from slotserve.layers.linear import Linear
-from slotserve.layers.quantization import Int8Linear
+from slotserve.kv_cache.block_table import cache_indices
 
 READ_BYTES = 1 << 30
-GEMM_SIZE = 2048
-GEMM_FLOPS = 2 * GEMM_SIZE**3  # of one gemm_pass
-FMA_SOURCE = Path(native.__file__).with_name("fma_peak.c")
 READ_SOURCE = Path(native.__file__).with_name("memory_read.c")
 READ_ARGS = (ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p)  # slotserve_read_sum's
-FMA_SECONDS = 0.1  # of one fma_peak pass, about
 
 
 def read_buffer(huge_pages: bool = True) -> torch.Tensor:
@@ -60,31 +55,6 @@ def read_pass(buffer: torch.Tensor) -> Callable[[], object]:
     return lambda: read(buffer.data_ptr(), buffer.numel(), torch.get_num_threads(), ctypes.byref(sink))
 
 
-def gemm_pass() -> Callable[[], object]:
-    """One fp32 GEMM of GEMM_SIZE squared: the sustained rate of a large shape."""
-    a, b = torch.randn(GEMM_SIZE, GEMM_SIZE), torch.randn(GEMM_SIZE, GEMM_SIZE)
-    return lambda: a @ b
-
-
-def fma_peak() -> float | None:
-    """FLOP/s of float32 multiply-adds on registers alone on all of torch's threads (kernels/fma_peak.c),
-    the best of three passes of ~FMA_SECONDS; None where the native kernels are not built."""
-    loop = native.function(FMA_SOURCE, "slotserve_fma_loop", (ctypes.c_long, ctypes.c_int, ctypes.c_void_p))
-    if loop is None:
-        return None
-    per_iteration = native.function(FMA_SOURCE, "slotserve_fma_flops_per_iteration", ())()
-    threads, sink = torch.get_num_threads(), ctypes.c_float()
-
-    def timed(iterations: int) -> float:
-        return seconds(lambda: loop(iterations, threads, ctypes.byref(sink)))
-
-    iterations = 1_000_000
-    while (elapsed := timed(iterations)) < FMA_SECONDS / 4:
-        iterations *= 4
-    iterations = int(iterations * FMA_SECONDS / elapsed)
-    return per_iteration * iterations * threads / min(timed(iterations) for _ in range(3))
-
-
 def interleaved(limit: Callable[[], object], work: Callable[[], object], repeats: int) -> tuple[float, float]:
     """(median seconds of the limit, median seconds of the work), sampled in turns: on a shared machine
     whose speed drifts by 1.5x within minutes, a bound taken minutes away from its figure says little.
@@ -101,12 +71,12 @@ def interleaved(limit: Callable[[], object], work: Callable[[], object], repeats
 def resident(engine: LLMEngine, table: list[int]) -> None:
     """Faults in the KV cache pages of a table's blocks (zeroing what they hold), as a server's are once it
     has run a while: the cache is faulted in lazily, and the first write into a 2 MB page costs 3.4-5 ms on
-    this VM, which in a round of batch-1 steps (each writing a new slot into every layer's keys and values)
-    came to ~0.3-0.5 ms a step (1-2 %) of page faults, not of decoding."""
+    this VM, which in a round of batch-1 steps (each writing a new position into every layer's keys and
+    values) came to ~0.3-0.5 ms a step (1-2 %) of page faults, not of decoding."""
     runner = engine.runner
-    slots = torch.tensor([b * runner.block_size + i for b in table for i in range(runner.block_size)])
-    runner.k_cache[:, slots] = 0
-    runner.v_cache[:, slots] = 0
+    indices = torch.tensor(cache_indices(table, 0, len(table) * runner.block_size, runner.block_size))
+    runner.k_cache[:, indices] = 0
+    runner.v_cache[:, indices] = 0
 
 
 def decode_step(engine: LLMEngine, batch: int, context_len: int,
@@ -118,7 +88,7 @@ def decode_step(engine: LLMEngine, batch: int, context_len: int,
     with torch.inference_mode():
         for table in tables:
             runner.execute([ScheduledSeq([rng.randrange(1000, 100_000) for _ in range(context_len)], 0, table,
-                                         logits="none")])
+                                         want=Want.NONE)])
     step = [ScheduledSeq([5], context_len, table) for table in tables]
 
     def release() -> None:
@@ -126,29 +96,6 @@ def decode_step(engine: LLMEngine, batch: int, context_len: int,
             pool.free(table)
 
     return lambda: runner.execute(step), release
-
-
-def linear_params(model: nn.Module) -> tuple[int, int, int]:
-    """(parameters in decoder linears, parameters in the output head, bytes of all of them that a batch-1
-    decode step reads: a narrow AMX packing's where it serves one row, layers/linear.py)."""
-    body = head = nbytes = 0
-    for name, m in model.named_modules():
-        if isinstance(m, nn.Linear | Int8Linear):
-            params = m.in_features * m.out_features
-            if isinstance(m, Linear):
-                nbytes += m.streamed_bytes(1)
-            else:
-                nbytes += params * (1 if isinstance(m, Int8Linear) else m.weight.element_size())
-            if name.endswith("lm_head"):
-                head += params
-            else:
-                body += params
-    return body, head, nbytes
-
-
-def attention_pair_flops(cfg: Any) -> int:
-    """FLOPs of attention per (query, key) pair: QK^T and PV, 2 * heads * head_dim each, in every layer."""
-    return 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
 
 
 def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
@@ -187,12 +134,12 @@ def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
         rounds = 3 * args.repeats
         table = blocks(16 + args.decode_steps * (rounds + 1) + 1)
         resident(engine, table)
-        tokens = runner.execute([ScheduledSeq(ids(16), 0, table, logits="greedy")])
+        tokens = [runner.execute([ScheduledSeq(ids(16), 0, table, want=Want.GREEDY)])[0].token]
 
         def decode_round() -> None:  # each token the argmax of the last, picked as the engine's greedy rows are
             for _ in range(args.decode_steps):
                 pos = 15 + len(tokens)
-                tokens.extend(runner.execute([ScheduledSeq(tokens[-1:], pos, table, logits="greedy")]))
+                tokens.append(runner.execute([ScheduledSeq(tokens[-1:], pos, table, want=Want.GREEDY)])[0].token)
 
         read_s, decode_round_s = interleaved(read, decode_round, rounds)
         decode_s = decode_round_s / args.decode_steps
@@ -219,7 +166,7 @@ def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         # Which code ran: the native kernels (kernels/) or torch's operators in their place.
         "decode_attention": runner.decode_mode, "native_small_gemm": runner.native_gemm,
-        "native_row_ops": runner.native_rows, "fused_decode": runner.fused is not None,
+        "native_row_ops": runner.native_row_ops, "fused_decode": runner.fused is not None,
         "weights_in_huge_pages": core.weights_in_huge_pages,
         "memory_read_GBps": round(bandwidth / 1e9, 1), "memory_read_torch_alloc_GBps": round(bandwidth_4k / 1e9, 1),
         "memory_read_torch_sum_GBps": round(bandwidth_torch_sum / 1e9, 1),

@@ -1,5 +1,5 @@
-"""RMSNorm (with the residual add before it), rotary embedding and SwiGLU's silu(gate) * up in one native
-call each (rows.c), for CPU float32 tensors."""
+"""RMSNorm (with the residual add before it), rotary embedding, SwiGLU's silu(gate) * up and the argmax of each
+row, in one native call each (norm_rotary_swiglu_argmax.c), for CPU float32 tensors."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from slotserve.kernels import native
 
-SOURCE = Path(__file__).with_name("rows.c")
+SOURCE = Path(__file__).with_name("norm_rotary_swiglu_argmax.c")
 _NORM_ARGS = (ctypes.c_void_p,) * 4 + (ctypes.c_long,) * 2 + (ctypes.c_float, ctypes.c_int)
 _SILU_MUL_ARGS = (ctypes.c_void_p,) * 2 + (ctypes.c_long,) * 2 + (ctypes.c_int,)
 _ROTARY_ARGS = (ctypes.c_void_p, ctypes.c_long) + (ctypes.c_void_p,) * 3 + (ctypes.c_long,) * 3 + (ctypes.c_int,)

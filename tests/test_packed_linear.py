@@ -1,8 +1,9 @@
-"""The AMX GEMM (kernels/amx_gemm.c): which weights it packs, that its products are exact and its sums as
-close to float64 as a float32 GEMM's, that a row's bits do not depend on its batch, and the engine on it:
-parity with transformers and the fused decode step's bits. The packing (which weights pack, in which form, the
-packed layout and its values) is checked wherever the kernels build, against a torch reading of the layout; what
-runs AMX's tile instructions only where AMX does (test_byte_rows.py: the few-row kernel without AMX)."""
+"""Packed linears (kernels/packed_linear.py) and the AMX GEMM (kernels/amx_gemm.c): which weights pack, that the
+products are exact and the sums as close to float64 as a float32 GEMM's, that a row's bits do not depend on its
+batch, and the engine on them: parity with transformers and the fused decode step's bits. The packing (which
+weights pack, in which form, the packed layout and its values; kernels/packed_linear.c) is checked wherever the
+kernels build, against a torch reading of the layout; what runs AMX's tile instructions only where AMX does
+(test_few_rows.py: the few-row kernel without AMX)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
-from slotserve.kernels import amx_gemm, native
+from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, Want
+from slotserve.kernels import native, packed_linear
+from slotserve.kernels.packed_linear import AMX_MIN_ROWS, BLOCK, FEW_ROWS, PAIR, PackedWeight
 from slotserve.layers.linear import Linear
 from slotserve.models.loader import load_model
+from slotserve.models.packing import PackingReport
 from tests.conftest import build_tiny_model
 
-pytestmark = pytest.mark.skipif(not amx_gemm.packs(), reason="native kernels not built here")
-needs_amx = pytest.mark.skipif(not amx_gemm.available(), reason="no AMX here")
+pytestmark = pytest.mark.skipif(not packed_linear.packs(), reason="native kernels not built here")
+needs_amx = pytest.mark.skipif(not packed_linear.amx_available(), reason="no AMX here")
 
 
 def _block_scaled(n: int, k: int, levels: int, seed: int = 0) -> torch.Tensor:
@@ -58,18 +61,18 @@ FEW_ROW_WEIGHTS = {**WEIGHTS, "q6_k": _q6_k}  # what the few-row kernel runs
 
 def _offsets(w: torch.Tensor) -> bool | None:
     """Whether the packed weight has offsets (None: it does not pack)."""
-    packed = amx_gemm.AmxWeight.pack(w)
+    packed = PackedWeight.pack(w)
     return None if packed is None else packed.offsets is not None
 
 
 def _pack(w: torch.Tensor, narrow: bool, halves: bool = False, offsets: bool = False):
-    """slotserve_amx_pack called in one form (AmxWeight.pack tries them in turn, and bfloat16 values only where
+    """slotserve_pack_weight called in one form (PackedWeight.pack tries them in turn, and bfloat16 values only where
     AMX runs): its answer, and the values, scales and offsets (None without) it wrote."""
-    pack = native.require(native.function(amx_gemm.SOURCE, "slotserve_amx_pack", amx_gemm._PACK_ARGS),
-                          amx_gemm.SOURCE)
+    pack = native.require(native.function(packed_linear.PACK_SOURCE, "slotserve_pack_weight", packed_linear._PACK_ARGS),
+                          packed_linear.PACK_SOURCE)
     n, k = w.shape
-    scalars = -(-n // amx_gemm.PAIR) * amx_gemm.PAIR * (k // amx_gemm.BLOCK) * (2 if halves else 1)
-    values = torch.zeros(-(-n // amx_gemm.PAIR) * amx_gemm.PAIR * k, dtype=torch.int8 if narrow else torch.int16)
+    scalars = -(-n // PAIR) * PAIR * (k // BLOCK) * (2 if halves else 1)
+    values = torch.zeros(-(-n // PAIR) * PAIR * k, dtype=torch.int8 if narrow else torch.int16)
     scales, offs = torch.zeros(scalars), torch.zeros(scalars) if offsets else None
     fit = pack(w.data_ptr(), n, k, None if offs is None else offs.data_ptr(), values.data_ptr(), scales.data_ptr(),
                narrow, halves, torch.get_num_threads())
@@ -77,20 +80,20 @@ def _pack(w: torch.Tensor, narrow: bool, halves: bool = False, offsets: bool = F
 
 
 def _unpack(values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, k: int, halves: bool):
-    """A packing read back in torch as amx_gemm.c's comment lays it out, for all rows (padding included): each
+    """A packing read back in torch as packed_linear.h lays it out, for all rows (padding included): each
     value [rows, k] (int8 ones less their 128, bfloat16 ones as floats), and its scale and offset [rows, k]."""
-    rows, blocks, segments = values.numel() // k, k // amx_gemm.BLOCK, 2 if halves else 1
-    pairs, tile = rows // amx_gemm.PAIR, amx_gemm.PAIR // 2
+    rows, blocks, segments = values.numel() // k, k // BLOCK, 2 if halves else 1
+    pairs, tile = rows // PAIR, PAIR // 2
     if values.dtype == torch.int8:  # per pair and block: [2 tiles][8 k-quads][16 rows][4], plus 128
         v = values.view(torch.uint8).double() - 128
-        v = v.reshape(pairs, blocks, 2, amx_gemm.BLOCK // 4, tile, 4)
+        v = v.reshape(pairs, blocks, 2, BLOCK // 4, tile, 4)
     else:  # [2 tiles][16 k-pairs][16 rows][2], bfloat16 bits
-        v = values.view(torch.bfloat16).double().reshape(pairs, blocks, 2, amx_gemm.BLOCK // 2, tile, 2)
+        v = values.view(torch.bfloat16).double().reshape(pairs, blocks, 2, BLOCK // 2, tile, 2)
     v = v.permute(0, 2, 4, 1, 3, 5).reshape(rows, k)  # to [pair][tile][row][block][k-group][k]
 
     def per_value(t: torch.Tensor) -> torch.Tensor:  # [pair][block][half][PAIR] to one per value
-        t = t.double().reshape(pairs, blocks, segments, amx_gemm.PAIR).permute(0, 3, 1, 2)
-        return t.reshape(rows, blocks * segments).repeat_interleave(amx_gemm.BLOCK // segments, dim=1)
+        t = t.double().reshape(pairs, blocks, segments, PAIR).permute(0, 3, 1, 2)
+        return t.reshape(rows, blocks * segments).repeat_interleave(BLOCK // segments, dim=1)
 
     return v, per_value(scales), torch.zeros_like(v) if offsets is None else per_value(offsets)
 
@@ -102,7 +105,7 @@ def _packing_weights() -> dict[str, torch.Tensor]:
             "float32": torch.randn(70, 128, generator=g)}
 
 
-# Forms (narrow, halves, offsets), and what slotserve_amx_pack answers for each weight in each: 0 packed,
+# Forms (narrow, halves, offsets), and what slotserve_pack_weight answers for each weight in each: 0 packed,
 # -1 some block has no such form, -2 every block has but not in int8.
 FORMS = [(True, False, False), (True, True, False), (False, False, False), (True, False, True), (True, True, True),
          (False, False, True)]
@@ -136,14 +139,14 @@ def test_the_packed_bytes_are_where_the_layout_puts_them():
     g = torch.Generator().manual_seed(5)
     w = torch.randint(-128, 128, (n, k), generator=g).float()
     w[:, ::16] = 1.0
-    rows, pairs, blocks = 64, 2, k // amx_gemm.BLOCK
+    rows, pairs, blocks = 64, 2, k // BLOCK
     padded = torch.cat([w, torch.zeros(rows - n, k)])
     quads = padded.reshape(pairs, 2, 16, blocks, 8, 4).permute(0, 3, 1, 4, 2, 5)  # [pair][block][tile][quad][row]
     pairs_of_k = padded.reshape(pairs, 2, 16, blocks, 16, 2).permute(0, 3, 1, 4, 2, 5)
     for narrow, halves in ((True, False), (True, True), (False, False)):
         fit, values, scales, offsets = _pack(w, narrow, halves)
         assert fit == 0 and offsets is None and (scales == 1).all()
-        assert scales.numel() == pairs * blocks * amx_gemm.PAIR * (2 if halves else 1)
+        assert scales.numel() == pairs * blocks * PAIR * (2 if halves else 1)
         if narrow:
             assert torch.equal(values.view(torch.uint8), (quads + 128).to(torch.uint8).flatten())
         else:
@@ -152,18 +155,18 @@ def test_the_packed_bytes_are_where_the_layout_puts_them():
 
 @pytest.mark.parametrize("kind", ["q8_0", "q5_0", "q4_k", "q6_k"])
 def test_a_packed_weight_holds_its_form(kind):
-    """AmxWeight.pack's buffers: the first form that fits (int8 values where they can be, no offsets where none
+    """PackedWeight.pack's buffers: the first form that fits (int8 values where they can be, no offsets where none
     are needed, scales per half block only where whole blocks do not fit), read back to the weight exactly; what
     a call streams is those buffers' bytes."""
     w = _packing_weights()[kind]
     n, k = w.shape
-    packed = amx_gemm.AmxWeight.pack(w)
+    packed = PackedWeight.pack(w)
     assert (packed.narrow, packed.halves, packed.offsets is not None) == {
         "q8_0": (True, False, False), "q5_0": (True, False, False), "q4_k": (True, False, True),
         "q6_k": (True, True, False)}[kind]
     v, scale, offset = _unpack(packed.values, packed.scales, packed.offsets, k, packed.halves)
     assert torch.equal(v[:n] * scale[:n] + offset[:n], w.double())
-    rows, scalars = 3 * amx_gemm.PAIR, 3 * amx_gemm.PAIR * k // amx_gemm.BLOCK * (2 if packed.halves else 1)
+    rows, scalars = 3 * PAIR, 3 * PAIR * k // BLOCK * (2 if packed.halves else 1)
     assert packed.nbytes == rows * k + 4 * scalars * (2 if packed.offsets is not None else 1)
 
 
@@ -171,20 +174,20 @@ def test_packs_block_scaled_weights_and_nothing_else():
     assert _offsets(_block_scaled(40, 96, 16)) is False  # Q5_0-like
     assert _offsets(_block_scaled(40, 96, 127)) is False  # Q8_0-like
     # bfloat16 values: 2 bytes a value, packed where AMX runs them (the few-row kernel takes int8 alone)
-    assert _offsets(torch.randn(40, 96).bfloat16().float()) is (False if amx_gemm.available() else None)
+    assert _offsets(torch.randn(40, 96).bfloat16().float()) is (False if packed_linear.amx_available() else None)
     assert _offsets(_q4_k(40, 96)) is True
     assert _offsets(torch.randn(40, 96).half().float()) is None  # float16 values have 11 bits
-    assert amx_gemm.AmxWeight.pack(torch.randn(40, 96)) is None  # float32 values need more than 8 bits
-    assert amx_gemm.AmxWeight.pack(torch.randn(40, 100).bfloat16().float()) is None  # K not in blocks of 32
+    assert PackedWeight.pack(torch.randn(40, 96)) is None  # float32 values need more than 8 bits
+    assert PackedWeight.pack(torch.randn(40, 100).bfloat16().float()) is None  # K not in blocks of 32
     w = _block_scaled(40, 96, 16)
     w[7, 50] = 1e-40  # a subnormal (AMX reads those as zero)
-    assert amx_gemm.AmxWeight.pack(w) is None
+    assert PackedWeight.pack(w) is None
     w = _block_scaled(40, 96, 16)
     w[3, 3] += w[3, 3] * 2**-20  # one value off its block's grid
-    assert amx_gemm.AmxWeight.pack(w) is None
+    assert PackedWeight.pack(w) is None
     w = _q4_k(40, 96)
     w[5, 40] = w[5, 41] + w[5, 41] * 2**-20  # one value off its block's grid, above the block's offset
-    assert amx_gemm.AmxWeight.pack(w) is None
+    assert PackedWeight.pack(w) is None
 
 
 @needs_amx
@@ -198,16 +201,16 @@ def test_packs_block_scaled_weights_and_nothing_else():
     (torch.cat([_block_scaled(35, 128, 16), torch.randn(35, 128).bfloat16().float()]), False),  # one form for all
 ])
 def test_integer_blocks_pack_in_a_byte_a_value_with_the_same_bits(weight, narrow):
-    packed, wide = amx_gemm.AmxWeight.pack(weight), amx_gemm.AmxWeight.pack(weight, narrow=False)
+    packed, wide = PackedWeight.pack(weight), PackedWeight.pack(weight, narrow=False)
     assert packed.narrow == narrow and packed.values.element_size() == (1 if narrow else 2) and not wide.narrow
-    x = torch.randn(amx_gemm.PAIR * 4 * torch.get_num_threads() + 13, 128)
-    for rows in (amx_gemm.MIN_ROWS, 45, x.shape[0]):  # one row tile (prefetching), a few, one per thread
+    x = torch.randn(PAIR * 4 * torch.get_num_threads() + 13, 128)
+    for rows in (AMX_MIN_ROWS, 45, x.shape[0]):  # one row tile (prefetching), a few, one per thread
         assert torch.equal(packed(x[:rows]), wide(x[:rows]))
 
 
 @pytest.mark.parametrize("kind", WEIGHTS)
 @pytest.mark.parametrize("n,k", [(40, 96), (1152, 896), (70, 4864)])
-@pytest.mark.parametrize("rows", [pytest.param(rows, marks=needs_amx if rows > amx_gemm.FEW_ROWS else ())
+@pytest.mark.parametrize("rows", [pytest.param(rows, marks=needs_amx if rows > FEW_ROWS else ())
                                   for rows in (1, 3, 4, 5, 13, 32, 45)])  # a narrow packing's few-row kernel, then AMX
 def test_as_close_to_float64_as_a_float32_gemm(kind, n, k, rows):
     assert_as_close_to_float64_as_a_float32_gemm(kind, n, k, rows)
@@ -217,7 +220,7 @@ def assert_as_close_to_float64_as_a_float32_gemm(kind: str, n: int, k: int, rows
     g = torch.Generator().manual_seed(rows)
     w, bias, x = FEW_ROW_WEIGHTS[kind](n, k), torch.randn(n, generator=g), torch.randn(rows, k, generator=g)
     exact = x.double() @ w.double().T + bias.double()
-    ours = amx_gemm.AmxWeight.pack(w, bias)(x)
+    ours = PackedWeight.pack(w, bias)(x)
     fp32 = torch.nn.functional.linear(x, w, bias)
     err, fp32_err = ((y.double() - exact).abs().max().item() for y in (ours, fp32))
     assert err <= 2 * fp32_err + 1e-6
@@ -226,11 +229,11 @@ def assert_as_close_to_float64_as_a_float32_gemm(kind: str, n: int, k: int, rows
 @needs_amx
 @pytest.mark.parametrize("kind", WEIGHTS)
 def test_a_row_gets_the_same_bits_in_any_batch(kind):
-    packed = amx_gemm.AmxWeight.pack(WEIGHTS[kind](100, 128), torch.randn(100))
+    packed = PackedWeight.pack(WEIGHTS[kind](100, 128), torch.randn(100))
     # Enough row tiles that each thread splits its own (amx_gemm.c's TILES_PER_THREAD); the slices split first.
-    x = torch.randn(amx_gemm.PAIR * 4 * torch.get_num_threads() + 13, 128)
+    x = torch.randn(PAIR * 4 * torch.get_num_threads() + 13, 128)
     whole = packed(x)
-    for rows in (amx_gemm.FEW_ROWS + 1, 31, 32, 33, 64, 70):
+    for rows in (FEW_ROWS + 1, 31, 32, 33, 64, 70):
         assert torch.equal(packed(x[:rows]), whole[:rows])
     assert torch.equal(packed(x[40:46])[0], whole[40])
 
@@ -239,10 +242,10 @@ def test_a_row_gets_the_same_bits_in_any_batch(kind):
 def test_a_row_gets_the_same_bits_in_any_batch_of_few_rows(kind):
     """Fewer rows take a narrow packing's few-row kernel (vector units, AMX or not): the same bits in any batch
     of those."""
-    packed = amx_gemm.AmxWeight.pack(WEIGHTS[kind](100, 128), torch.randn(100))
-    x = torch.randn(amx_gemm.FEW_ROWS, 128)
+    packed = PackedWeight.pack(WEIGHTS[kind](100, 128), torch.randn(100))
+    x = torch.randn(FEW_ROWS, 128)
     few = packed(x)
-    for rows in range(1, amx_gemm.FEW_ROWS):
+    for rows in range(1, FEW_ROWS):
         assert torch.equal(packed(x[:rows]), few[:rows])
     assert torch.equal(packed(x[3:4])[0], few[3]) and torch.equal(packed(x[1:3]), few[1:3])
 
@@ -252,22 +255,22 @@ def test_a_row_gets_the_same_bits_in_any_batch_of_few_rows(kind):
 def test_a_linear_runs_on_amx_from_min_rows_on_and_on_a_narrow_packing_always(narrow):
     layer = Linear(96, 64, bias=False).requires_grad_(False)
     layer.weight.data.copy_(_q4_k(64, 96) if narrow else torch.randn(64, 96).bfloat16().float())
-    assert layer.bind_amx() and layer.amx.narrow == narrow
-    row_counts = (1, amx_gemm.MIN_ROWS - 1, amx_gemm.MIN_ROWS, 300)
-    assert [layer.amx.runs(rows) for rows in row_counts] == [narrow, narrow, True, True]
+    assert layer.pack() and layer.packed.narrow == narrow
+    row_counts = (1, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, 300)
+    assert [layer.packed.runs(rows) for rows in row_counts] == [narrow, narrow, True, True]
     assert_a_linear_runs_packed_where_its_packing_runs(layer, row_counts)
 
 
 def assert_a_linear_runs_packed_where_its_packing_runs(layer: Linear, row_counts) -> None:
     """Each call gives the packing's result where it runs those rows, else the float32 weight's."""
-    packed = layer.amx
+    packed = layer.packed
     for rows in row_counts:
         x = torch.randn(rows, layer.weight.shape[1])
         with torch.no_grad():
             ours = layer(x)
-            layer.amx = None
+            layer.packed = None
             unpacked = layer(x)
-            layer.amx = packed
+            layer.packed = packed
         assert torch.equal(ours, packed(x) if packed.runs(rows) else unpacked)
 
 
@@ -277,37 +280,44 @@ def test_a_linear_says_what_bytes_a_call_reads(narrow):
     layer = Linear(96, 64, bias=False).requires_grad_(False)
     layer.weight.data.copy_(_block_scaled(64, 96, 16) if narrow else torch.randn(64, 96).bfloat16().float())
     assert layer.streamed_bytes(1) == layer.weight.nbytes  # not packed yet
-    assert layer.bind_amx()
-    scales = 64 * 96 // amx_gemm.BLOCK * 4
+    assert layer.pack()
+    scales = 64 * 96 // BLOCK * 4
     packed_bytes = 64 * 96 * (1 if narrow else 2) + scales
-    assert layer.amx.nbytes == packed_bytes and layer.streamed_bytes(amx_gemm.MIN_ROWS) == packed_bytes
+    assert layer.packed.nbytes == packed_bytes and layer.streamed_bytes(AMX_MIN_ROWS) == packed_bytes
     assert layer.streamed_bytes(1) == (packed_bytes if narrow else layer.weight.nbytes)
 
 
 @pytest.mark.parametrize("weight", [_q4_k(64, 96),
                                     pytest.param(torch.randn(64, 96).bfloat16().float(), marks=needs_amx)])
 def test_no_rows_give_no_rows(weight):
-    packed = amx_gemm.AmxWeight.pack(weight)
+    packed = PackedWeight.pack(weight)
     assert packed(torch.empty(0, 96)).shape == (0, 64) and not packed.runs(0)
 
 
 def test_scales_per_half_block_pack_for_few_rows_only():
-    packed = amx_gemm.AmxWeight.pack(_q6_k(64, 96), torch.randn(64))
+    packed = PackedWeight.pack(_q6_k(64, 96), torch.randn(64))
     assert packed.narrow and packed.halves and packed.offsets is None and packed.scales.numel() == 2 * 64 * 96 // 32
-    assert [packed.runs(r) for r in (0, 1, amx_gemm.FEW_ROWS, amx_gemm.FEW_ROWS + 1, amx_gemm.MIN_ROWS)] == [
+    assert [packed.runs(r) for r in (0, 1, FEW_ROWS, FEW_ROWS + 1, AMX_MIN_ROWS)] == [
         False, True, True, False, False]
     with pytest.raises(ValueError, match="rows"):
-        packed(torch.randn(amx_gemm.FEW_ROWS + 1, 96))
+        packed(torch.randn(FEW_ROWS + 1, 96))
 
 
 @pytest.mark.parametrize("weight", [_block_scaled(64, 64, 16),
                                     pytest.param(torch.randn(64, 64).bfloat16().float(), marks=needs_amx)])
 def test_bad_input_is_refused(weight):
-    packed = amx_gemm.AmxWeight.pack(weight)
+    packed = PackedWeight.pack(weight)
     with pytest.raises(ValueError, match="x"):
         packed(torch.randn(3, 65))
     with pytest.raises(ValueError, match="bias"):
-        amx_gemm.AmxWeight.pack(weight, torch.randn(63))
+        PackedWeight.pack(weight, torch.randn(63))
+
+
+def test_the_packing_report_is_the_load_lines_words():
+    assert PackingReport(10).summary() == ""
+    assert PackingReport(10, 4).summary() == f"bytes for 1-{FEW_ROWS} rows: 4 of 10 linears"
+    assert PackingReport(10, 4, 4).summary() == "AMX: 4 of 10 linears"
+    assert PackingReport(10, 4, 3).summary() == f"AMX: 3 of 10 linears (bytes for 1-{FEW_ROWS} rows: 1 more)"
 
 
 def _runner(path) -> ModelRunner:
@@ -319,19 +329,19 @@ def _runner(path) -> ModelRunner:
 def test_a_bfloat16_checkpoint_runs_on_amx_and_matches_transformers(tmp_path, arch):
     hf = build_tiny_model(tmp_path, arch, dtype=torch.bfloat16)
     runner = _runner(tmp_path)
-    assert runner.packed_linears == runner.linears > 0 and runner.fused is not None
+    assert runner.packing_report.packed == runner.packing_report.linears > 0 and runner.fused is not None
     prompt = [9707, 11, 1879, 0, 358, 1079, 264, 1632, 17, 151644, 77091, 198, 40, 2776]  # 14 rows: AMX
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
-    tables = [list(range(4 * i, 4 * i + 4)) for i in range(amx_gemm.MIN_ROWS)]
-    ours = runner.execute([ScheduledSeq(prompt, 0, tables[0], logits="all")])[0]
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(AMX_MIN_ROWS)]
+    ours = runner.execute([ScheduledSeq(prompt, 0, tables[0], want=Want.ALL)])[0].logits
     assert (ours - ref).abs().max().item() <= 1e-4
-    # A decode step of amx_gemm.MIN_ROWS sequences (the fused step, on AMX): each row as transformers has it.
+    # A decode step of AMX_MIN_ROWS sequences (the fused step, on AMX): each row as transformers has it.
     for table in tables[1:]:
-        runner.execute([ScheduledSeq(prompt[:10], 0, table, logits="none")])
-    runner.execute([ScheduledSeq(prompt[10:13], 10, tables[0], logits="none")])
-    rows = runner.execute([ScheduledSeq([prompt[13]], 13, tables[0])]
-                          + [ScheduledSeq([prompt[10]], 10, t) for t in tables[1:]])
+        runner.execute([ScheduledSeq(prompt[:10], 0, table, want=Want.NONE)])
+    runner.execute([ScheduledSeq(prompt[10:13], 10, tables[0], want=Want.NONE)])
+    rows = [r.logits for r in runner.execute([ScheduledSeq([prompt[13]], 13, tables[0])]
+                                             + [ScheduledSeq([prompt[10]], 10, t) for t in tables[1:]])]
     assert (rows[0][0] - ref[13]).abs().max().item() <= 1e-4
     with torch.no_grad():
         short = hf(torch.tensor([prompt[:11]])).logits[0, -1]
@@ -347,11 +357,11 @@ def test_the_fused_step_on_amx_has_the_layer_paths_bits(tmp_path):
         weights[name] = make(*weights[name].shape)
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     fused, layers = _runner(tmp_path), _runner(tmp_path)
-    downs = [layer.mlp.down_proj.amx for layer in fused.model.model.layers]
+    downs = [layer.mlp.down_proj.packed for layer in fused.model.model.layers]
     assert [(a.halves, a.offsets is not None) for a in downs] == [(True, False), (False, True)]
-    assert fused.amx_linears == fused.packed_linears - 1 == fused.linears - 1
+    assert fused.packing_report.on_amx == fused.packing_report.packed - 1 == fused.packing_report.linears - 1
     # The FMA kernels (and the down projections' few-row kernel), then AMX (and the Q6_K layer's float32 path).
-    assert_fused_steps_have_the_layer_paths_bits(fused, layers, (1, amx_gemm.MIN_ROWS - 1, amx_gemm.MIN_ROWS, 20))
+    assert_fused_steps_have_the_layer_paths_bits(fused, layers, (1, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, 20))
 
 
 def assert_fused_steps_have_the_layer_paths_bits(fused: ModelRunner, layers: ModelRunner, row_counts) -> None:
@@ -360,8 +370,8 @@ def assert_fused_steps_have_the_layer_paths_bits(fused: ModelRunner, layers: Mod
     for rows in row_counts:
         tables = [list(range(3 * i, 3 * i + 3)) for i in range(rows)]
         for runner in (fused, layers):
-            runner.execute([ScheduledSeq([100 + i, 7, 9], 0, t, logits="none") for i, t in enumerate(tables)])
+            runner.execute([ScheduledSeq([100 + i, 7, 9], 0, t, want=Want.NONE) for i, t in enumerate(tables)])
         step = [ScheduledSeq([5 + i], 3, t) for i, t in enumerate(tables)]
         a, b = fused.execute(step), layers.execute(step)
-        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+        assert all(torch.equal(x.logits, y.logits) for x, y in zip(a, b, strict=True))
     assert torch.equal(fused.k_cache, layers.k_cache) and torch.equal(fused.v_cache, layers.v_cache)

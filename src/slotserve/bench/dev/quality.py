@@ -1,4 +1,4 @@
-"""`slotserve bench quality`: float32 against int8 weights on the same model, in the same run.
+"""`python -m slotserve.bench.dev quality`: float32 against int8 weights on the same model, in the same run.
 
 Quality: perplexity of a fixed text (English prose and Python), how often the two models agree on
 the text's next tokens, and greedy completions of fixed prompts compared token for token. Speed:
@@ -163,10 +163,10 @@ def _with_blocks(engine: LLMEngine, num_tokens: int, body: Callable[[list[int]],
 
 def _text_logprobs(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     """Log-probabilities [len(ids) - 1, vocab] of every next token of the text, one forward pass."""
-    from slotserve.engine.model_runner import ScheduledSeq
+    from slotserve.engine.model_runner import ScheduledSeq, Want
 
     logits = _with_blocks(engine, len(ids), lambda blocks: engine.runner.execute(
-        [ScheduledSeq(ids, 0, blocks, logits="all")])[0])
+        [ScheduledSeq(ids, 0, blocks, want=Want.ALL)])[0].logits)
     return logits[:-1].log_softmax(dim=-1)
 
 
@@ -203,10 +203,10 @@ def _decode_rate(engine: LLMEngine, prompt: list[int], steps: int) -> float:
 
     def run(blocks: list[int]) -> float:
         runner = engine.runner
-        token = int(runner.execute([ScheduledSeq(prompt, 0, blocks)])[0][0].argmax())
+        token = int(runner.execute([ScheduledSeq(prompt, 0, blocks)])[0].logits[0].argmax())
         start = time.perf_counter()
         for pos in range(len(prompt), len(prompt) + steps):
-            token = int(runner.execute([ScheduledSeq([token], pos, blocks)])[0][0].argmax())
+            token = int(runner.execute([ScheduledSeq([token], pos, blocks)])[0].logits[0].argmax())
         return steps / (time.perf_counter() - start)
     return _with_blocks(engine, len(prompt) + steps + 1, run)
 

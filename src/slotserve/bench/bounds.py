@@ -1,0 +1,71 @@
+"""What this machine's arithmetic allows: the rate of a large float32 GEMM, the float32 multiply-add peak
+(kernels/fma_peak.c), and the FLOPs and weight bytes of a model's steps to divide by them. Shared by
+`slotserve bench throughput` and the developer benchmarks (slotserve/bench/dev)."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from slotserve.bench.timing import seconds
+from slotserve.kernels import native
+from slotserve.layers.linear import Linear
+from slotserve.layers.quantization import Int8Linear
+
+GEMM_SIZE = 2048
+GEMM_FLOPS = 2 * GEMM_SIZE**3  # of one gemm_pass
+FMA_SOURCE = Path(native.__file__).with_name("fma_peak.c")
+FMA_SECONDS = 0.1  # of one fma_peak pass, about
+
+
+def gemm_pass() -> Callable[[], object]:
+    """One fp32 GEMM of GEMM_SIZE squared: the sustained rate of a large shape."""
+    a, b = torch.randn(GEMM_SIZE, GEMM_SIZE), torch.randn(GEMM_SIZE, GEMM_SIZE)
+    return lambda: a @ b
+
+
+def fma_peak() -> float | None:
+    """FLOP/s of float32 multiply-adds on registers alone on all of torch's threads (kernels/fma_peak.c),
+    the best of three passes of ~FMA_SECONDS; None where the native kernels are not built."""
+    loop = native.function(FMA_SOURCE, "slotserve_fma_loop", (ctypes.c_long, ctypes.c_int, ctypes.c_void_p))
+    if loop is None:
+        return None
+    per_iteration = native.function(FMA_SOURCE, "slotserve_fma_flops_per_iteration", ())()
+    threads, sink = torch.get_num_threads(), ctypes.c_float()
+
+    def timed(iterations: int) -> float:
+        return seconds(lambda: loop(iterations, threads, ctypes.byref(sink)))
+
+    iterations = 1_000_000
+    while (elapsed := timed(iterations)) < FMA_SECONDS / 4:
+        iterations *= 4
+    iterations = int(iterations * FMA_SECONDS / elapsed)
+    return per_iteration * iterations * threads / min(timed(iterations) for _ in range(3))
+
+
+def linear_params(model: nn.Module) -> tuple[int, int, int]:
+    """(parameters in decoder linears, parameters in the output head, bytes of all of them that a batch-1
+    decode step reads: a packing's where it serves one row, layers/linear.py)."""
+    body = head = nbytes = 0
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear | Int8Linear):
+            params = m.in_features * m.out_features
+            if isinstance(m, Linear):
+                nbytes += m.streamed_bytes(1)
+            else:
+                nbytes += params * (1 if isinstance(m, Int8Linear) else m.weight.element_size())
+            if name.endswith("lm_head"):
+                head += params
+            else:
+                body += params
+    return body, head, nbytes
+
+
+def attention_pair_flops(cfg: Any) -> int:
+    """FLOPs of attention per (query, key) pair: QK^T and PV, 2 * heads * head_dim each, in every layer."""
+    return 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim

@@ -1,0 +1,68 @@
+"""`python -m slotserve.bench.dev {kernels,attention,threads,quality} [args]`: the developer benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from slotserve.bench.dev.quality import add_arguments as quality_args
+from slotserve.bench.dev.threads import add_arguments as threads_args
+from slotserve.entrypoints.cli import add_engine_args, engine_config, main, make_llm
+
+
+def cmd_dev_bench(args: argparse.Namespace) -> int:
+    if args.bench == "kernels":
+        from slotserve.bench.dev.kernels import run_kernels
+
+        result = run_kernels(make_llm(args).engine, args)
+    elif args.bench == "quality":
+        from slotserve.bench.dev.quality import run_quality
+
+        result = run_quality(engine_config(args), args)
+    elif args.bench == "threads":
+        from slotserve.bench.dev.threads import run_threads
+
+        # Its --threads / --cpu-affinity are the counts and cores to measure; the engine starts on defaults.
+        engine_args = argparse.Namespace(**{**vars(args), "threads": None, "cpu_affinity": None})
+        result = run_threads(args, lambda: make_llm(engine_args).engine)
+    else:
+        from slotserve.bench.dev.attention import run_attention
+
+        result = run_attention(args)
+    print(json.dumps(result))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m slotserve.bench.dev",
+                                     description="Developer benchmarks that print JSON figures.")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    bench = parser.add_subparsers(dest="bench", required=True)
+    b = bench.add_parser("attention", help="decode attention over the paged cache: ways of reading it")
+    b.add_argument("--num-seqs", type=int, default=16)
+    b.add_argument("--context-len", type=int, default=750)
+    b.add_argument("--block-size", type=int, default=16)
+    b.add_argument("--num-heads", type=int, default=16)
+    b.add_argument("--num-kv-heads", type=int, default=8)
+    b.add_argument("--head-dim", type=int, default=128)
+    b.add_argument("--repeats", type=int, default=20)
+    b = bench.add_parser("kernels", help="machine limits (bandwidth, GEMM) and the engine's speed against them")
+    b.add_argument("--prefill-len", type=int, default=512)
+    b.add_argument("--batch", type=int, default=32, help="sequences in the batched decode step")
+    b.add_argument("--context-len", type=int, default=256, help="context of each sequence in the batched decode")
+    b.add_argument("--decode-steps", type=int, default=16)
+    b.add_argument("--repeats", type=int, default=3)
+    add_engine_args(b)
+    b = bench.add_parser("quality", help="float32 vs int8 weights: perplexity, greedy agreement, decode speed")
+    quality_args(b)
+    add_engine_args(b)
+    b = bench.add_parser("threads", help="parfor pool: dispatch cost vs ThreadPoolExecutor, matmul on 1..N threads")
+    threads_args(b)
+    add_engine_args(b, cpu_options=False)
+    parser.set_defaults(func=cmd_dev_bench)
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main(parser=build_parser()))
