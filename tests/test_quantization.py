@@ -90,7 +90,7 @@ def test_moe_router_stays_float():
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8))
     block = quantize_int8(SparseMoeBlock(cfg))
     assert type(block.gate) is nn.Linear  # expert choices stay those of float32
-    assert all(isinstance(m, Int8Linear) for e in block.experts for m in (e.gate_up_proj, e.down_proj))
+    assert all(isinstance(m, Int8Linear) for e in block.experts.values() for m in (e.gate_up_proj, e.down_proj))
 
 
 def test_int8_greedy_same_alone_and_batched(llms):

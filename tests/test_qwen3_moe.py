@@ -113,7 +113,7 @@ def test_experts_on_the_pool_equal_the_serial_loop(monkeypatch):
     with torch.inference_mode():  # an inference tensor, as the engine's hidden states are
         x = torch.randn(100, 64)
     executors: set[int] = set()
-    for expert in block.experts:
+    for expert in block.experts.values():
         expert.register_forward_hook(lambda *_: executors.add(tp.worker_id()))
 
     def forward(min_rows: int) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 from dataclasses import dataclass
@@ -176,6 +177,20 @@ def _eos_ids(cfg: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:
     return tuple(ids)
 
 
+class ExecutorBackend(enum.Enum):
+    """What runs the ranks of a model split over several (distributed/executor.py)."""
+
+    MP = "mp"  # worker processes the engine core starts on this machine
+    RAY = "ray"  # Ray actors in a placement group, on any machines of a Ray cluster
+
+
+class ExpertCommKind(enum.Enum):
+    """How expert parallel moves tokens to their experts' ranks and back (distributed/expert_comm.py)."""
+
+    ALL_TO_ALL = "all-to-all"  # each (token, expert) pair to its expert's rank alone, split counts first
+    ALL_GATHER = "all-gather"  # every rank's tokens to every rank; the outputs reduce-scattered back
+
+
 @dataclass
 class EngineConfig:
     """What the user chose: which model, where, and the bounds of the KV cache and the batch."""
@@ -196,6 +211,12 @@ class EngineConfig:
     # cpu_affinity, else SLOTSERVE_THREADS, else the cores this process may use.
     threads: int | None = None
     cpu_affinity: tuple[int, ...] | None = None  # restrict the process to these cores, one pool worker on each
+    # One model over several ranks (tensor parallel), the experts split across them (expert parallel).
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    expert_comm: ExpertCommKind = ExpertCommKind.ALL_TO_ALL
+    distributed_executor_backend: ExecutorBackend | None = None  # None: mp when tensor_parallel_size > 1
+    distributed_timeout: float = 120.0  # seconds any collective or worker reply may take before the engine dies
 
     def __post_init__(self) -> None:
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
@@ -212,6 +233,29 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
         if self.quantization is not None:
             self._check_quantization()
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size: must be a positive integer, got {tp!r}")
+        for name, kind in (("distributed_executor_backend", ExecutorBackend), ("expert_comm", ExpertCommKind)):
+            value = getattr(self, name)
+            if value is None or isinstance(value, kind):
+                continue
+            try:
+                setattr(self, name, kind(value))
+            except ValueError:
+                raise ValueError(f"{name}: unknown value {value!r}; choose one of "
+                                 f"{', '.join(k.value for k in kind)}") from None
+        if self.distributed_executor_backend is None and tp > 1:
+            self.distributed_executor_backend = ExecutorBackend.MP
+        if self.enable_expert_parallel and tp == 1:
+            raise ValueError("enable_expert_parallel: needs tensor_parallel_size > 1 (the experts split over its "
+                             "ranks)")
+        if not isinstance(self.distributed_timeout, int | float) or self.distributed_timeout <= 0:
+            raise ValueError(f"distributed_timeout: must be a positive number of seconds, "
+                             f"got {self.distributed_timeout!r}")
 
     def _check_cpu_affinity(self) -> None:
         if isinstance(self.cpu_affinity, str):  # the taskset syntax, as on the command line: "0-3,6"

@@ -15,6 +15,10 @@ import torch
 
 from slotserve import host_memory
 from slotserve.config import EngineConfig, ModelConfig, parse_device, parse_dtype
+from slotserve.distributed.executor import Executor, start_executor
+from slotserve.distributed.group import UNSPLIT, ModelParallel
+from slotserve.distributed.process_groups import init_rank_group, leave_rank_group
+from slotserve.distributed.worker import rank_cpu_settings
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, Want
 from slotserve.engine.request import EngineCoreOutput, EngineCoreRequest, Request
 from slotserve.engine.scheduler import Scheduler
@@ -50,8 +54,30 @@ class EngineCore:
         self.device = parse_device(config.device)
         self.dtype = parse_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
-        self.cpu = apply_cpu_settings(config.threads, config.cpu_affinity)  # before loading: conversion uses it
-        self.model, self.model_config = load_model(model_path, self.dtype, self.device, config.max_model_len)
+        tp = config.tensor_parallel_size
+        # Before loading: conversion uses the pool. Under tensor parallel, rank 0's share of the cores.
+        threads, cores = rank_cpu_settings(config, 0) if tp > 1 else (config.threads, config.cpu_affinity)
+        self.cpu = apply_cpu_settings(threads, cores)
+        self.workers: Executor | None = None
+        self.parallel = UNSPLIT
+        if tp > 1:
+            check_split(ModelConfig.from_dir(model_path), config)
+            self.workers = start_executor(config, model_path)
+            try:
+                group = init_rank_group(0, tp, self.workers.init_method, self.device, config.distributed_timeout)
+            except Exception:
+                self.workers.shutdown()
+                raise
+            self.parallel = ModelParallel(group, config.enable_expert_parallel, config.expert_comm)
+        try:
+            self._load(config, model_path, tokenizer_eos_id, start)
+        except Exception:
+            self.shutdown()
+            raise
+
+    def _load(self, config: EngineConfig, model_path: Path, tokenizer_eos_id: int | None, start: float) -> None:
+        self.model, self.model_config = load_model(model_path, self.dtype, self.device, config.max_model_len,
+                                                   self.parallel)
         if config.quantization == "int8":
             quantize_int8(self.model)  # swaps the float linears for int8 ones, releasing their weights
         self.eos_token_ids = eos_token_ids(self.model_config, tokenizer_eos_id)
@@ -64,11 +90,15 @@ class EngineCore:
         # On CPU the weights move into huge pages when they fit beside the KV cache (host_memory.py).
         self.weights_in_huge_pages = self.device.type == "cpu" and host_memory.move_weights(
             self.model, available_memory(self.device).available - budget) > 0
-        bytes_per_block = ModelRunner.cache_bytes_per_token(cfg, self.dtype) * config.block_size
+        tp = config.tensor_parallel_size
+        bytes_per_block = ModelRunner.cache_bytes_per_token(cfg, self.dtype, tp) * config.block_size
         num_blocks = budget // bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory: {budget} bytes cannot hold one block of {bytes_per_block} bytes")
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, num_blocks * config.block_size)
+        if self.workers is not None:
+            self.workers.wait_for("loaded")
+            self.workers.allocate_cache(num_blocks)
         self.runner = ModelRunner(self.model, cfg, num_blocks, config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
@@ -79,10 +109,15 @@ class EngineCore:
                     "; ".join(self._setup(num_blocks)))
 
     def _placement(self) -> str:
-        """The load line's architecture, device, dtype, threads and cores."""
-        cores = self.cpu.cpu_affinity
+        """The load line's architecture, device, dtype, threads and cores, and how the model is split."""
+        cores, config = self.cpu.cpu_affinity, self.config
+        split = ""
+        if config.tensor_parallel_size > 1:
+            split = (f", tensor parallel {config.tensor_parallel_size} ({config.distributed_executor_backend.value})"
+                     + (f", expert parallel ({config.expert_comm.value})" if config.enable_expert_parallel else ""))
         return (f"{self.model_config.architecture}, {self.device}, {str(self.dtype).removeprefix('torch.')}, "
-                f"{self.cpu.threads} threads" + (f" on cores {','.join(map(str, cores))}" if cores else ""))
+                f"{self.cpu.threads} threads" + (f" on cores {','.join(map(str, cores))}" if cores else "")
+                + (" per rank" if split else "") + split)
 
     def _setup(self, num_blocks: int) -> list[str]:
         """The load line's parts on the KV cache and the kernels each step runs."""
@@ -157,7 +192,7 @@ class EngineCore:
                     else Want.GREEDY if req.sampling.takes_argmax() else Want.LAST)
             seqs.append(ScheduledSeq(req.token_ids(start, start + num_new), start, req.block_table,
                                      want=want if last_chunk or scores_prompt else Want.NONE))
-        results = self.runner.execute(seqs)
+        results = self._execute(seqs)
         outputs, sampling = [], []
         for (req, num_new), seq, result in zip(plan.scheduled, seqs, results, strict=True):
             if seq.want is Want.ALL:
@@ -177,6 +212,29 @@ class EngineCore:
             outputs += [self._append(req, sampled.token_ids[i], sampled.logprobs[i])
                         for i, (req, _) in enumerate(sampling)]
         return outputs
+
+    def _execute(self, seqs: list[ScheduledSeq]) -> list:
+        if self.workers is None:
+            return self.runner.execute(seqs)
+        self.workers.send_step(seqs)
+        try:
+            return self.runner.execute(seqs)
+        except RuntimeError as e:  # a collective failed: a worker died or stopped answering
+            raise self.workers.explain(e) from e
+
+    def worker_failure(self) -> str | None:
+        """Why the model's other ranks can no longer run (one is gone); None while they can, or with none."""
+        return None if self.workers is None else self.workers.failure()
+
+    def shutdown(self, kill: bool = False) -> None:
+        """Stops the model's other ranks (at once with `kill`, for an engine that is dying) and leaves their
+        process group. Idempotent; nothing to do for a model on one rank."""
+        if self.workers is None:
+            return
+        if kill:
+            self.workers.kill()
+        self.workers.shutdown()
+        leave_rank_group(self.parallel.group)
 
     def _pool(self, req: Request, hidden: torch.Tensor) -> EngineCoreOutput:
         """The embedding of a prefilled request (last-token pooling); the request ends here and its
@@ -218,6 +276,27 @@ class EngineCore:
             self.requests.pop(req.request_id, None)
             self.scheduler.finish(req, out.finish_reason)
         return out
+
+
+def check_split(cfg: ModelConfig, config: EngineConfig) -> None:
+    """ValueError, naming the setting, where the model does not split over the ranks asked for."""
+    tp = config.tensor_parallel_size
+    problems = []
+    if cfg.num_attention_heads % tp:
+        problems.append(f"{cfg.num_attention_heads} attention heads")
+    kv = cfg.num_key_value_heads
+    if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+        problems.append(f"{kv} KV heads (the ranks must split them or share each evenly)")
+    if cfg.intermediate_size % tp:
+        problems.append(f"an MLP width of {cfg.intermediate_size}")
+    if cfg.num_experts and config.enable_expert_parallel and cfg.num_experts % tp:
+        problems.append(f"{cfg.num_experts} experts")
+    if cfg.num_experts and not config.enable_expert_parallel and cfg.moe_intermediate_size % tp:
+        problems.append(f"an expert width of {cfg.moe_intermediate_size} (--enable-expert-parallel splits the "
+                        "experts instead)")
+    if problems:
+        raise ValueError(f"tensor_parallel_size: {tp} ranks cannot split {cfg.architecture}'s "
+                         + ", ".join(problems))
 
 
 def _one_tensor(rows: list[torch.Tensor]) -> torch.Tensor:

@@ -17,6 +17,8 @@ class FaultPoint(enum.Enum):
     OUTPUT = "output"  # OutputProcessor, before each batch of outputs
     IPC = "ipc"  # IPCLoop, before each command it routes
     FRONTEND_EVENTS = "frontend-events"  # the front end's receiver, before each event
+    WORKER_STEP = "worker-step"  # a worker rank (tensor parallel), before each step: it raises
+    WORKER_HANG = "worker-hang"  # a worker rank, before each step: it stops answering
 
 
 class InjectedFault(RuntimeError):
@@ -31,13 +33,19 @@ def fault_spec(point: FaultPoint, at: int) -> dict[str, str]:
     return {FAULT_ENV: f"{point.value}:{at}"}
 
 
-def check(point: FaultPoint) -> None:
+def fires(point: FaultPoint) -> bool:
+    """Counts a pass through `point`; whether it is the one that fails."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
-        return
+        return False
     name, _, at = spec.partition(":")
     if name != point.value:
-        return
+        return False
     _passes[point] = _passes.get(point, 0) + 1
-    if _passes[point] == int(at):
-        raise InjectedFault(f"{FAULT_ENV}: pass {at} through {point.value} fails on purpose")
+    return _passes[point] == int(at)
+
+
+def check(point: FaultPoint) -> None:
+    """Raises on the pass through `point` that fails."""
+    if fires(point):
+        raise InjectedFault(f"{FAULT_ENV}: pass {_passes[point]} through {point.value} fails on purpose")

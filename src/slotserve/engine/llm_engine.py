@@ -35,6 +35,10 @@ class LLMEngine:
                                               self.core.task, self.core.model_config.hidden_size)
         self.output_processor = OutputProcessor(self.tokenizer)
 
+    def shutdown(self) -> None:
+        """Stops the model's other ranks, where it has any (tensor parallel); also at exit."""
+        self.core.shutdown()
+
     # The core's parts, for stats, benchmarks and tests.
     @property
     def model_config(self) -> ModelConfig:

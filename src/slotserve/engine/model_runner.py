@@ -11,6 +11,7 @@ from torch import nn
 
 from slotserve import host_memory
 from slotserve.config import ModelConfig
+from slotserve.distributed.group import UNSPLIT
 from slotserve.kernels import norm_rotary_swiglu_argmax, small_gemm
 from slotserve.kv_cache.block_table import cache_indices
 from slotserve.layers.attention import (
@@ -18,6 +19,7 @@ from slotserve.layers.attention import (
     AttentionMetadata,
     GatherWorkspace,
     gather_max_tokens,
+    kv_head_shard,
     paged_decode_available,
 )
 from slotserve.layers.sampler import greedy
@@ -78,15 +80,18 @@ class ModelRunner:
         self.native_gemm = cpu_fp32 and small_gemm.available()
         self.native_row_ops = cpu_fp32 and norm_rotary_swiglu_argmax.available()
         self.packing_report = pack_linears(model)  # which linears run packed (models/packing.py)
-        self.gather_limit = gather_max_tokens(cfg.num_key_value_heads, cfg.head_dim, self.dtype)
-        shape = (cfg.num_hidden_layers, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
+        layers = [m for m in model.modules() if isinstance(m, Attention)]
+        kv_heads = layers[0].num_kv_heads  # this rank's, under tensor parallel
+        self.gather_limit = gather_max_tokens(kv_heads, cfg.head_dim, self.dtype)
+        shape = (cfg.num_hidden_layers, num_blocks * block_size, kv_heads, cfg.head_dim)
         self.k_cache = host_memory.zeros(shape, self.dtype, self.device)
         self.v_cache = host_memory.zeros(shape, self.dtype, self.device)
-        layers = [m for m in model.modules() if isinstance(m, Attention)]
         for i, attn in enumerate(layers):
             attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
-        # Decode steps of a dense Qwen model through one native call (models/fused_decode.py), where it runs.
-        self._fuses = self.decode_mode == "paged" and cpu_fp32
+        # Decode steps of a dense Qwen model through one native call (models/fused_decode.py), where it runs:
+        # not under tensor parallel, whose collectives sit between the layers.
+        parallel = getattr(model, "parallel", UNSPLIT)
+        self._fuses = self.decode_mode == "paged" and cpu_fp32 and parallel.group.size == 1
         self.rebind()
 
     def rebind(self) -> None:
@@ -96,9 +101,11 @@ class ModelRunner:
         self.fused = FusedDecode.bind(self.model) if self._fuses else None
 
     @staticmethod
-    def cache_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    def cache_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+        """Of one rank's cache, which holds its KV heads alone."""
         elem = torch.empty(0, dtype=dtype).element_size()
-        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
+        kv_heads = kv_head_shard(cfg.num_key_value_heads, 0, tensor_parallel_size).size
+        return 2 * cfg.num_hidden_layers * kv_heads * cfg.head_dim * elem
 
     def execute(self, seqs: list[ScheduledSeq]) -> list[SeqResult]:
         """Runs one forward over all sequences' new tokens; per sequence, what its `want` asks for.
@@ -170,6 +177,8 @@ class ModelRunner:
         # wanted: increasing rows of hidden, so as many as it has are all of them, in order.
         chosen = hidden if len(wanted) == len(hidden) else hidden[as_tensor(wanted)]
         logits = self.model.compute_logits(chosen) if wanted else None
+        if wanted and logits is None:  # a worker rank: the driver has the logits
+            return []
         out: list[SeqResult] = []
         offset = 0
         for seq, start, r in zip(seqs, starts, rows, strict=True):

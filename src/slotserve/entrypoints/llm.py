@@ -31,6 +31,16 @@ class LLM:
     def from_config(cls, config: EngineConfig) -> LLM:
         return cls(**vars(config))
 
+    def shutdown(self) -> None:
+        """Stops the model's worker ranks (tensor parallel); they also stop when this process exits."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 

@@ -27,6 +27,7 @@ from torch import nn
 
 from slotserve.kernels import decode_attention
 from slotserve.kernels.decode_attention import PagedTables
+from slotserve.layers.linear import Shard
 
 DECODE_MODES = ("paged", "batched", "per_seq")
 # Every sequence is attended with its keys padded (and masked) to a multiple of this. torch's CPU
@@ -175,6 +176,19 @@ def _paged_batch(rows: list[int], tables: list[list[int]], lengths: list[int], b
     width = max(-(-n // block_size) for n in lengths)
     padded = [table[:width] + [0] * (width - len(table[:width])) for table in tables]
     return PagedTables.from_lists(rows, padded, lengths, block_size, device)
+
+
+def kv_head_shard(num_kv_heads: int, rank: int, ranks: int) -> Shard:
+    """The KV heads (in heads) rank `rank` of `ranks` holds under tensor parallel: an even part where they
+    split, else the one head its query heads read, each on `ranks / num_kv_heads` ranks."""
+    if num_kv_heads >= ranks:
+        if num_kv_heads % ranks:
+            raise ValueError(f"tensor_parallel_size: {ranks} ranks cannot split {num_kv_heads} KV heads")
+        return Shard.of(0, num_kv_heads, rank, ranks)
+    if ranks % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size: {ranks} ranks cannot share {num_kv_heads} KV heads evenly")
+    head = rank // (ranks // num_kv_heads)
+    return Shard(0, head, head + 1, num_kv_heads)
 
 
 def paged_decode_available(device: torch.device, dtype: torch.dtype) -> bool:

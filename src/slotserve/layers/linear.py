@@ -16,6 +16,7 @@ the weight's form.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -37,9 +38,52 @@ def _onednn_linear() -> bool:
 ONEDNN = _onednn_linear()
 
 
+@dataclass(frozen=True)
+class Shard:
+    """The part of a checkpoint tensor one rank holds: [start, stop) along `dim`, of `full` (tensor parallel)."""
+
+    dim: int
+    start: int
+    stop: int
+    full: int
+
+    @classmethod
+    def of(cls, dim: int, full: int, rank: int, ranks: int) -> Shard:
+        """Rank `rank`'s even part of `full` (which must divide by `ranks`)."""
+        if full % ranks:
+            raise ValueError(f"{full} does not split over {ranks} ranks")
+        part = full // ranks
+        return cls(dim, rank * part, (rank + 1) * part, full)
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
 class Linear(nn.Linear):
+    """`weight_shard`: the part of the checkpoint's weight this rank holds (tensor parallel): its rows (dim 0,
+    column parallel: the bias shares them) or its columns (dim 1, row parallel: the caller sums the ranks'
+    outputs); None: all of it."""
+
+    weight_shard: Shard | None = None
     _gemm: small_gemm.BoundGemm | None = None  # the kernel bound to this layer's current weight and bias
     packed: packed_linear.PackedWeight | None = None  # this layer's weight packed, where `pack` could
+
+    @classmethod
+    def column_parallel(cls, in_features: int, out_features: int, bias: bool, rank: int, ranks: int) -> Linear:
+        """This rank's rows of an `out_features` projection."""
+        shard = Shard.of(0, out_features, rank, ranks)
+        layer = cls(in_features, shard.size, bias=bias)
+        layer.weight_shard = shard if ranks > 1 else None
+        return layer
+
+    @classmethod
+    def row_parallel(cls, in_features: int, out_features: int, rank: int, ranks: int) -> Linear:
+        """This rank's columns of an `in_features` projection (no bias: each rank's output is a partial sum)."""
+        shard = Shard.of(1, in_features, rank, ranks)
+        layer = cls(shard.size, out_features, bias=False)
+        layer.weight_shard = shard if ranks > 1 else None
+        return layer
 
     def pack(self) -> bool:
         """Packs this layer's weight and bias where their form allows (kernels/packed_linear.py); whether it did."""
@@ -83,13 +127,20 @@ class MergedLinear(Linear):
     calls push the interpreter's own data out of the caches), so the fewer the better.
 
     Checkpoints store the parts as separate tensors, named as sibling modules (`parts`); the loader
-    copies each into its rows (`part_rows`), so this weight is a copy, never a view of the file."""
+    copies each into its rows (`part_rows`), so this weight is a copy, never a view of the file. Under tensor
+    parallel each part is its checkpoint tensor's rows `part_shards[i]` (column parallel)."""
 
-    def __init__(self, in_features: int, output_sizes: Sequence[int], parts: Sequence[str], bias: bool) -> None:
+    def __init__(self, in_features: int, output_sizes: Sequence[int], parts: Sequence[str], bias: bool,
+                 part_shards: Sequence[Shard | None] | None = None) -> None:
+        """output_sizes: each part's rows here (its shard's size, where sharded)."""
         if len(output_sizes) != len(parts):
             raise ValueError(f"parts: {len(parts)} names for {len(output_sizes)} output sizes")
+        shards = list(part_shards) if part_shards is not None else [None] * len(parts)
+        sizes_differ = any(s is not None and s.size != n for s, n in zip(shards, output_sizes, strict=False))
+        if len(shards) != len(parts) or sizes_differ:
+            raise ValueError(f"part_shards: {shards} do not match the output sizes {list(output_sizes)}")
         super().__init__(in_features, sum(output_sizes), bias=bias)
-        self.output_sizes, self.parts = list(output_sizes), tuple(parts)
+        self.output_sizes, self.parts, self.part_shards = list(output_sizes), tuple(parts), shards
 
     def part_rows(self, i: int) -> slice:
         start = sum(self.output_sizes[:i])

@@ -6,6 +6,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -13,7 +14,8 @@ from torch import nn
 from tqdm import tqdm
 
 from slotserve.config import ModelConfig
-from slotserve.layers.linear import MergedLinear
+from slotserve.distributed.group import UNSPLIT, ModelParallel
+from slotserve.layers.linear import MergedLinear, Shard
 from slotserve.models.registry import model_class
 
 logger = logging.getLogger("slotserve")
@@ -48,50 +50,77 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype, device: torch.device, max_position: int | None = None
+    path: str | Path, dtype: torch.dtype, device: torch.device, max_position: int | None = None,
+    parallel: ModelParallel = UNSPLIT,
 ) -> tuple[nn.Module, ModelConfig]:
-    """Config, architecture, weights: the model ready for inference on `device` in `dtype`."""
+    """Config, architecture, weights: the model ready for inference on `device` in `dtype`; under tensor
+    parallel, this rank's part of it, read from the checkpoint alone."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
-    model = build_meta_model(cfg, max_position)
+    model = build_meta_model(cfg, max_position, parallel)
     files = weight_files(path)
     check_memory(weight_footprint(model, dtype, device, checkpoint_dtypes(files)), device)
     load_weights(model, files, dtype, device)
     return model.eval(), cfg
 
 
-def build_meta_model(cfg: ModelConfig, max_position: int | None = None) -> nn.Module:
+def build_meta_model(cfg: ModelConfig, max_position: int | None = None,
+                     parallel: ModelParallel = UNSPLIT) -> nn.Module:
     """The model on the meta device: shapes without storage, so no memory and no time go into
     weights the checkpoint replaces (and a model too big for this machine can still be sized)."""
     with torch.device("meta"):
-        return model_class(cfg.architecture)(cfg, max_position)
+        return model_class(cfg.architecture)(cfg, max_position, parallel)
 
 
 @dataclass(frozen=True)
 class TensorPlace:
-    """Where one checkpoint tensor goes: a parameter of the model, or some rows of one (a part of a
-    `MergedLinear`)."""
+    """Where one checkpoint tensor of `shape` goes: a parameter of the model, or some rows of one (a part
+    of a `MergedLinear`, a rank's vocabulary rows short of their padding); under tensor parallel only its
+    `shard` is read."""
 
     param: str
     shape: tuple[int, ...]
     rows: slice | None = None
+    shard: Shard | None = None
 
 
-def checkpoint_layout(model: nn.Module) -> dict[str, TensorPlace]:
+def _full_shape(shape: tuple[int, ...], shard: Shard | None) -> tuple[int, ...]:
+    """The checkpoint tensor's shape, of which a parameter of `shape` holds `shard`."""
+    if shard is None or shard.dim >= len(shape):
+        return shape
+    return tuple(shard.full if d == shard.dim else n for d, n in enumerate(shape))
+
+
+def _param_place(name: str, p: nn.Parameter, shard: Shard | None, rows: slice | None = None) -> TensorPlace:
+    if shard is not None and shard.dim >= p.dim():  # a row-parallel layer's bias does not split
+        shard = None
+    if shard is not None and shard.dim == 0 and rows is None and shard.size < p.shape[0]:
+        rows = slice(0, shard.size)  # the padding rows past the vocabulary stay zero
+    shape = tuple(p.shape) if rows is None else (rows.stop - rows.start, *p.shape[1:])
+    return TensorPlace(name, _full_shape(shape, shard), rows, shard)
+
+
+def checkpoint_layout(model: nn.Module) -> dict[str, TensorPlace | None]:
     """Each checkpoint tensor name the model takes, and its place (a tied lm_head appears once, as the
-    embedding)."""
-    layout = {name: TensorPlace(name, tuple(p.shape)) for name, p in model.named_parameters()}
+    embedding); None for tensors other ranks hold (expert parallel)."""
+    layout: dict[str, TensorPlace | None] = {}
+    seen: set[int] = set()
     for module_name, module in model.named_modules():
-        if not isinstance(module, MergedLinear):
-            continue
-        parent = module_name.rpartition(".")[0]
+        shard = getattr(module, "weight_shard", None)
         for param_name, p in module.named_parameters(recurse=False):
-            param = f"{module_name}.{param_name}"
-            del layout[param]
+            if id(p) in seen:  # tied: the embedding's, placed already
+                continue
+            seen.add(id(p))
+            name = ".".join(filter(None, (module_name, param_name)))
+            if not isinstance(module, MergedLinear):
+                layout[name] = _param_place(name, p, shard)
+                continue
+            parent = module_name.rpartition(".")[0]
             for i, part in enumerate(module.parts):
-                rows = module.part_rows(i)
-                layout[".".join(filter(None, (parent, part, param_name)))] = TensorPlace(
-                    param, (rows.stop - rows.start, *p.shape[1:]), rows)
+                layout[".".join(filter(None, (parent, part, param_name)))] = _param_place(
+                    name, p, module.part_shards[i], module.part_rows(i))
+        if hasattr(module, "foreign_tensors"):
+            layout.update({f"{module_name}.{t}": None for t in module.foreign_tensors()})
     return layout
 
 
@@ -114,11 +143,9 @@ def load_weights(model: nn.Module, files: list[Path], dtype: torch.dtype, device
                         key = f"model.{key}"  # a bare-decoder checkpoint (Qwen3Model) names tensors without it
                     if key not in layout:
                         raise WeightsError(f"{file}: tensor {key!r} has no place in {type(model).__name__}")
-                    place, tensor = layout[key], f.get_tensor(tensor_name)
-                    if tuple(tensor.shape) != place.shape:
-                        raise WeightsError(f"{file}: tensor {key!r} has shape {tuple(tensor.shape)}, "
-                                           f"the config implies {place.shape}")
-                    _place(model, place, tensor, dtype, device)
+                    place = layout[key]
+                    if place is not None:
+                        _place(model, place, _read(f, tensor_name, place, file), dtype, device)
                     loaded.add(key)
         except SafetensorError as e:
             raise WeightsError(f"{file}: cannot read safetensors ({e})") from None
@@ -127,6 +154,18 @@ def load_weights(model: nn.Module, files: list[Path], dtype: torch.dtype, device
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise WeightsError(f"{files[0].parent}: checkpoint lacks {len(missing)} tensors: {shown}")
+
+
+def _read(f: Any, name: str, place: TensorPlace, file: Path) -> torch.Tensor:
+    """The checkpoint tensor, or the shard of it this rank holds (read alone from the file)."""
+    part = f.get_slice(name)
+    shape = tuple(part.get_shape())
+    if shape != place.shape:
+        raise WeightsError(f"{file}: tensor {name!r} has shape {shape}, the config implies {place.shape}")
+    if place.shard is None:
+        return f.get_tensor(name)
+    index = (slice(None),) * place.shard.dim + (slice(place.shard.start, place.shard.stop),)
+    return part[index].contiguous()
 
 
 def _place(model: nn.Module, place: TensorPlace, tensor: torch.Tensor, dtype: torch.dtype,
@@ -138,7 +177,7 @@ def _place(model: nn.Module, place: TensorPlace, tensor: torch.Tensor, dtype: to
         return
     param = getattr(module, param_name)
     if param.is_meta:
-        param = nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device), requires_grad=False)
+        param = nn.Parameter(torch.zeros(param.shape, dtype=dtype, device=device), requires_grad=False)
         setattr(module, param_name, param)
     param.data[place.rows].copy_(tensor)
 

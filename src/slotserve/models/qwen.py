@@ -4,6 +4,10 @@ The two are one network with three switches that `ModelConfig` carries: Qwen2 ad
 (`attention_bias`); Qwen3 has none, normalizes each q and k head (`qk_norm`) and sets its own `head_dim`.
 So both architectures are `QwenForCausalLM` (models/registry.py), and Qwen3-MoE is it with sparse MLPs
 (qwen3_moe.py).
+
+Under tensor parallel (`ModelParallel`) each rank builds its part: its query heads and KV heads (q, k, v
+column parallel), its share of the MLP's width (gate and up column parallel), o_proj and down row parallel
+with their outputs summed over the ranks, and its rows of the vocabulary (layers/embedding.py).
 """
 
 from __future__ import annotations
@@ -12,41 +16,46 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from slotserve.config import ModelConfig
+from slotserve.distributed.group import SINGLE, UNSPLIT, ModelParallel, RankGroup
 from slotserve.layers.activation import silu_mul
-from slotserve.layers.attention import Attention, AttentionMetadata
-from slotserve.layers.linear import Linear, MergedLinear
+from slotserve.layers.attention import Attention, AttentionMetadata, kv_head_shard
+from slotserve.layers.embedding import VocabEmbedding, gather_logits, lm_head
+from slotserve.layers.linear import Linear, MergedLinear, Shard
 from slotserve.layers.norm import RMSNorm
 from slotserve.layers.rotary import RotaryEmbedding, apply_rotary
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin per token
-MlpFactory = Callable[[ModelConfig, int], nn.Module]  # (config, layer index) -> that layer's MLP
+# (config, layer index, how the model is split) -> that layer's MLP
+MlpFactory = Callable[[ModelConfig, int, ModelParallel], nn.Module]
 
 
-class Embedding(nn.Module):
-    """A token embedding without random initialisation (nn.Embedding's costs seconds at vocab 152k)."""
-
-    def __init__(self, num_embeddings: int, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, dim))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+def head_rows(heads: Shard, head_dim: int) -> Shard | None:
+    """The weight rows of these heads (None: a shard that is all of them)."""
+    if heads.size == heads.full:
+        return None
+    return Shard(0, heads.start * head_dim, heads.stop * head_dim, heads.full * head_dim)
 
 
 class QwenAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: RankGroup = SINGLE) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.tp = tp
+        if cfg.num_attention_heads % tp.size:
+            raise ValueError(f"tensor_parallel_size: {tp.size} ranks cannot split {cfg.num_attention_heads} "
+                             "attention heads")
+        q_heads = Shard.of(0, cfg.num_attention_heads, tp.rank, tp.size)
+        kv_heads = kv_head_shard(cfg.num_key_value_heads, tp.rank, tp.size)
+        self.num_heads, self.num_kv_heads, self.head_dim = q_heads.size, kv_heads.size, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        kv_rows = head_rows(kv_heads, self.head_dim)
         self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size],
-                                     ("q_proj", "k_proj", "v_proj"), bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+                                     ("q_proj", "k_proj", "v_proj"), bias=cfg.attention_bias,
+                                     part_shards=[head_rows(q_heads, self.head_dim), kv_rows, kv_rows])
+        self.o_proj = Linear.row_parallel(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, tp.rank, tp.size)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
@@ -59,7 +68,7 @@ class QwenAttention(nn.Module):
             qk = torch.cat((self.q_norm(qk[:, :heads].contiguous()), self.k_norm(qk[:, heads:].contiguous())), dim=1)
         q, k = apply_rotary(qk, *rope).split([heads, kv_heads], dim=1)  # both rotated in one call
         out = self.attn(q, k, v.view(-1, kv_heads, head_dim), meta)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 # On the CPU a long prefill's MLP runs this many rows at a time: MKL's GEMM rate falls past ~512 rows of
@@ -69,27 +78,33 @@ MLP_ROWS = 512
 
 
 class QwenMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """SwiGLU. Under tensor parallel, this rank's share of the width; `reduce`: sum the ranks' outputs here
+    (a MoE layer's experts leave it to the layer, which sums once for all of them)."""
+
+    def __init__(self, cfg: ModelConfig, tp: RankGroup = SINGLE, reduce: bool = True) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, ("gate_proj", "up_proj"),
-                                         bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp, self.reduce = tp, reduce
+        width = Shard.of(0, cfg.intermediate_size, tp.rank, tp.size)
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [width.size] * 2, ("gate_proj", "up_proj"), bias=False,
+                                         part_shards=[width, width] if tp.size > 1 else None)
+        self.down_proj = Linear.row_parallel(cfg.intermediate_size, cfg.hidden_size, tp.rank, tp.size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and x.shape[0] > MLP_ROWS:
             return torch.cat([self.forward(part) for part in x.split(MLP_ROWS)])
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        out = self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(out) if self.reduce else out
 
 
-def dense_mlp(cfg: ModelConfig, layer_idx: int) -> nn.Module:
-    return QwenMLP(cfg)
+def dense_mlp(cfg: ModelConfig, layer_idx: int, parallel: ModelParallel) -> nn.Module:
+    return QwenMLP(cfg, parallel.group)
 
 
 class QwenDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, mlp: nn.Module) -> None:
+    def __init__(self, cfg: ModelConfig, mlp: nn.Module, tp: RankGroup = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = QwenAttention(cfg)
+        self.self_attn = QwenAttention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp
 
@@ -109,10 +124,13 @@ class QwenDecoderLayer(nn.Module):
 
 
 class QwenModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_position: int, mlp_for_layer: MlpFactory = dense_mlp) -> None:
+    def __init__(self, cfg: ModelConfig, max_position: int, mlp_for_layer: MlpFactory = dense_mlp,
+                 parallel: ModelParallel = UNSPLIT) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(QwenDecoderLayer(cfg, mlp_for_layer(cfg, i)) for i in range(cfg.num_hidden_layers))
+        tp = parallel.group
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(QwenDecoderLayer(cfg, mlp_for_layer(cfg, i, parallel), tp)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope)
 
@@ -134,11 +152,13 @@ class QwenForCausalLM(nn.Module):
     # Each layer's MLP: dense here; Qwen3-MoE swaps in its sparse blocks (qwen3_moe.py).
     mlp_for_layer: ClassVar[MlpFactory] = staticmethod(dense_mlp)
 
-    def __init__(self, cfg: ModelConfig, max_position: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, max_position: int | None = None,
+                 parallel: ModelParallel = UNSPLIT) -> None:
         super().__init__()
-        self.config = cfg
-        self.model = QwenModel(cfg, max(max_position or 0, cfg.max_position_embeddings), self.mlp_for_layer)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.config, self.parallel = cfg, parallel
+        self.model = QwenModel(cfg, max(max_position or 0, cfg.max_position_embeddings), self.mlp_for_layer,
+                               parallel)
+        self.lm_head = lm_head(cfg.hidden_size, cfg.vocab_size, parallel.group)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -150,18 +170,20 @@ class QwenForCausalLM(nn.Module):
                 keep: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(input_ids, positions, meta, keep)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [rows, vocab] on the driver rank; None on the others (tensor parallel)."""
+        return gather_logits(self.lm_head(hidden), self.parallel.group, self.config.vocab_size)
 
 
 class QwenForEmbedding(nn.Module):
     """The bare decoder of a Qwen2Model / Qwen3Model checkpoint (e.g. Qwen3-Embedding): hidden states
     out, no output head. Its checkpoints name tensors without the `model.` prefix; the loader maps them."""
 
-    def __init__(self, cfg: ModelConfig, max_position: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, max_position: int | None = None,
+                 parallel: ModelParallel = UNSPLIT) -> None:
         super().__init__()
-        self.config = cfg
-        self.model = QwenModel(cfg, max(max_position or 0, cfg.max_position_embeddings))
+        self.config, self.parallel = cfg, parallel
+        self.model = QwenModel(cfg, max(max_position or 0, cfg.max_position_embeddings), parallel=parallel)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 keep: torch.Tensor | None = None) -> torch.Tensor:

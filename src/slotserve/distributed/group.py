@@ -1,0 +1,94 @@
+"""The ranks that share one model: who this rank is among them, and the collectives the model calls.
+
+A `RankGroup` of size 1 (`SINGLE`) is the single-process engine: every collective is the identity, so the
+model code calls them unconditionally. Larger groups run on torch.distributed: gloo on the CPU (with a
+shared-memory all-reduce for ranks on one host, distributed/shm_all_reduce.py), NCCL on CUDA, plus a gloo
+group for small metadata either way. Every collective carries the group's timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from slotserve.config import ExpertCommKind
+
+
+class AllReduce(Protocol):
+    def all_reduce(self, t: torch.Tensor) -> None: ...
+
+
+@dataclass(frozen=True, eq=False)
+class RankGroup:
+    """`size` ranks, this one `rank`: the tensor-parallel (and expert-parallel) group of one model."""
+
+    rank: int = 0
+    size: int = 1
+    device_group: dist.ProcessGroup | None = None  # the model's tensors: gloo on CPU, NCCL on CUDA
+    cpu_group: dist.ProcessGroup | None = None  # small host-side metadata (split counts, votes)
+    fast_all_reduce: AllReduce | None = None  # shared memory, for CPU ranks on one host
+    timeout: datetime.timedelta = field(default_factory=lambda: datetime.timedelta(minutes=2))
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank: {self.rank} is not in a group of {self.size}")
+        if self.size > 1 and self.device_group is None:
+            raise ValueError("device_group: a group of several ranks needs a process group")
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0: the one in the engine core's process, which alone receives the logits."""
+        return self.rank == 0
+
+    def share(self, n: int) -> slice:
+        """This rank's even part of `n` items (n must divide by the group's size)."""
+        if n % self.size:
+            raise ValueError(f"{n} does not split over {self.size} ranks")
+        part = n // self.size
+        return slice(self.rank * part, (self.rank + 1) * part)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks, in place; returns `x`."""
+        if self.size == 1:
+            return x
+        if self.fast_all_reduce is not None and x.device.type == "cpu" and x.dtype == torch.float32:
+            self.fast_all_reduce.all_reduce(x if x.is_contiguous() else x.contiguous())
+            return x
+        dist.all_reduce(x, group=self.device_group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Every rank's `x` (same shape on each), concatenated along `dim` in rank order."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.device_group)
+        return torch.cat(parts, dim=dim)
+
+    def gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor | None:
+        """Every rank's `x` concatenated along `dim` on the driver; None on the other ranks."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.is_driver else None
+        dist.gather(x.contiguous(), parts, dst=dist.get_global_rank(self.device_group, 0), group=self.device_group)
+        return torch.cat(parts, dim=dim) if parts is not None else None
+
+
+SINGLE = RankGroup()
+
+
+@dataclass(frozen=True)
+class ModelParallel:
+    """How one model is split: its tensor-parallel group, and whether its experts are split across it
+    (expert parallel, moving tokens by `expert_comm`) instead of each expert being split by tensor parallel."""
+
+    group: RankGroup = SINGLE
+    expert_parallel: bool = False
+    expert_comm: ExpertCommKind = ExpertCommKind.ALL_TO_ALL
+
+
+UNSPLIT = ModelParallel()  # a model on one rank
