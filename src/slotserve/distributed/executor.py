@@ -50,10 +50,15 @@ class Executor(ABC):
         self.channel.setsockopt(zmq.LINGER, 0)
         host = self.host()
         port = self.channel.bind_to_random_port(f"tcp://{host}")
+        # A worker's error report comes here too, for `failure` (another thread than the channel's).
+        self.reports = self.ctx.socket(zmq.PULL)
+        self.reports.setsockopt(zmq.LINGER, 0)
+        reports = self.reports.bind_to_random_port(f"tcp://{host}")
         self.init_method = f"tcp://{host}:{free_port(host)}"
         self.ranks = range(1, self.world_size)
-        specs = [WorkerSpec(rank, self.world_size, self.init_method, f"tcp://{host}:{port}", str(model_path),
-                            _fields(config), self.watched_pid()) for rank in self.ranks]
+        specs = [WorkerSpec(rank, self.world_size, self.init_method, f"tcp://{host}:{port}", f"tcp://{host}:{reports}",
+                            str(model_path), _fields(config), self.watched_pid()) for rank in self.ranks]
+        self._failures: list[str] = []
         self._stopped = False
         atexit.register(self.shutdown)
         self.launch(specs)
@@ -120,9 +125,16 @@ class Executor(ABC):
             raise self.explain(e) from e
 
     def failure(self) -> str | None:
-        """Why the workers can no longer run the model (one is gone); None while they can. Any thread."""
+        """Why the workers can no longer run the model (one reported an error, or is gone); None while they
+        can. From one thread only, which may be another than the one driving the steps."""
+        while self.reports.poll(0):
+            self._failures.append(decode_report(self.reports.recv()).message)
         gone = self.exited()
-        return "; ".join(gone) if gone else None
+        # A report sent just before its sender exited may still be on its way.
+        if gone and not self._failures and self.reports.poll(int(_POLL_S * 1000)):
+            return self.failure()
+        reasons = self._failures or gone
+        return "; ".join(reasons) if reasons else None
 
     def explain(self, error: Exception) -> WorkerError:
         """The error a failed collective or send becomes: a worker's own report where one arrives within a
@@ -149,6 +161,7 @@ class Executor(ABC):
         except zmq.ZMQError:
             pass  # one is gone already: stop ends the rest
         self.stop(grace_s=5.0)
+        self.reports.close()
         self.channel.close()
         self.ctx.term()
 

@@ -93,7 +93,7 @@ class AllToAll(ExpertExchange):
 
         def finish() -> torch.Tensor:
             # Back to (token, rank) order, then each token's weighted sum of its experts' outputs.
-            out = back[order.argsort()].view(*weights.shape, -1)
+            out = back[order.argsort()].view(*weights.shape, y.shape[1])
             return (out * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)
 
         return Pending([work], finish)
@@ -130,7 +130,7 @@ class AllGather(ExpertExchange):
         summed = y.new_zeros((width * self.group.size, y.shape[1]))
         summed.index_add_(0, token, y * weight.to(y.dtype).unsqueeze(-1))
         out = y.new_empty((width, y.shape[1]))
-        work = dist.reduce_scatter_tensor(out, summed, group=self.group.device_group, async_op=True)
+        work = dist.reduce_scatter_single(out, summed, group=self.group.device_group, async_op=True)
         return Pending([work], lambda: out[:mine])
 
 

@@ -9,6 +9,7 @@ group for small metadata either way. Every collective carries the group's timeou
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -22,6 +23,21 @@ class AllReduce(Protocol):
     def all_reduce(self, t: torch.Tensor) -> None: ...
 
 
+@dataclass
+class CollectiveClock:
+    """Time this rank spent in the group's collectives (waiting for the others included), for benchmarks."""
+
+    seconds: float = 0.0
+    calls: int = 0
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds += time.perf_counter() - self._start
+        self.calls += 1
+
+
 @dataclass(frozen=True, eq=False)
 class RankGroup:
     """`size` ranks, this one `rank`: the tensor-parallel (and expert-parallel) group of one model."""
@@ -32,6 +48,7 @@ class RankGroup:
     cpu_group: dist.ProcessGroup | None = None  # small host-side metadata (split counts, votes)
     fast_all_reduce: AllReduce | None = None  # shared memory, for CPU ranks on one host
     timeout: datetime.timedelta = field(default_factory=lambda: datetime.timedelta(minutes=2))
+    clock: CollectiveClock = field(default_factory=CollectiveClock)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -55,10 +72,14 @@ class RankGroup:
         """The sum over the ranks, in place; returns `x`."""
         if self.size == 1:
             return x
-        if self.fast_all_reduce is not None and x.device.type == "cpu" and x.dtype == torch.float32:
-            self.fast_all_reduce.all_reduce(x if x.is_contiguous() else x.contiguous())
-            return x
-        dist.all_reduce(x, group=self.device_group)
+        with self.clock:
+            if self.fast_all_reduce is not None and x.device.type == "cpu" and x.dtype == torch.float32:
+                buffer = x if x.is_contiguous() else x.contiguous()
+                self.fast_all_reduce.all_reduce(buffer)
+                if buffer is not x:
+                    x.copy_(buffer)
+            else:
+                dist.all_reduce(x, group=self.device_group)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -66,7 +87,8 @@ class RankGroup:
         if self.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.device_group)
+        with self.clock:
+            dist.all_gather(parts, x.contiguous(), group=self.device_group)
         return torch.cat(parts, dim=dim)
 
     def gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor | None:
@@ -74,7 +96,8 @@ class RankGroup:
         if self.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.is_driver else None
-        dist.gather(x.contiguous(), parts, dst=dist.get_global_rank(self.device_group, 0), group=self.device_group)
+        with self.clock:
+            dist.gather(x.contiguous(), parts, dst=dist.get_global_rank(self.device_group, 0), group=self.device_group)
         return torch.cat(parts, dim=dim) if parts is not None else None
 
 

@@ -89,6 +89,7 @@ class WorkerSpec:
     world_size: int
     init_method: str  # torch.distributed's rendezvous, e.g. tcp://127.0.0.1:29500
     channel: str  # the driver's ZMQ socket for steps and reports
+    errors: str  # the driver's ZMQ socket that an error report also goes to
     model_path: str
     config: dict  # the EngineConfig's fields
     driver_pid: int = 0  # a worker process's parent, watched; 0: not watched (a Ray actor)
@@ -123,11 +124,17 @@ class Worker:
         self.channel.setsockopt(zmq.IDENTITY, str(spec.rank).encode())
         self.channel.setsockopt(zmq.LINGER, 2000)
         self.channel.connect(spec.channel)
+        self.errors = self.ctx.socket(zmq.PUSH)
+        self.errors.setsockopt(zmq.LINGER, 2000)
+        self.errors.connect(spec.errors)
         self.group = None
         self.runner: ModelRunner | None = None
 
     def report(self, kind: str, message: str = "") -> None:
-        self.channel.send(encode(Report(self.spec.rank, kind, message)))
+        data = encode(Report(self.spec.rank, kind, message))
+        self.channel.send(data)
+        if kind == "error":
+            self.errors.send(data)
 
     def driver_alive(self) -> bool:
         return not self.spec.driver_pid or os.getppid() == self.spec.driver_pid
@@ -183,6 +190,7 @@ class Worker:
         if self.group is not None:
             leave_rank_group(self.group)
         self.channel.close()
+        self.errors.close()
         self.ctx.term()
 
 

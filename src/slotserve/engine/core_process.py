@@ -23,6 +23,7 @@ from collections.abc import Callable
 import zmq
 
 from slotserve.config import EngineConfig
+from slotserve.distributed.executor import WorkerError
 from slotserve.engine import faults
 from slotserve.engine.engine_core import EngineCore
 from slotserve.engine.faults import FaultPoint
@@ -64,6 +65,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     events.send(encode(CoreEvent("ready", max_model_len=core.max_model_len, vocab_size=core.vocab_size,
                                  hidden_size=core.model_config.hidden_size, task=core.task)))
     clean = server.run()
+    core.shutdown(kill=not clean)  # the model's other ranks, where it has any
     events_ctx.term()  # sends what is queued, up to the socket's linger
     if not clean:
         os._exit(1)  # a thread may still be inside the model: do not wait for it
@@ -137,6 +139,9 @@ class _CoreServer:
                     return False
                 if os.getppid() != self.parent_pid:
                     logger.error("the front end (pid %d) is gone; the engine core exits", self.parent_pid)
+                    return False
+                if (failure := self.core.worker_failure()) is not None:
+                    self._die("the model's worker ranks", WorkerError(failure))
                     return False
                 if outbox_reader in ready:
                     while True:  # forward everything the other threads produced

@@ -227,14 +227,17 @@ class EngineCore:
         return None if self.workers is None else self.workers.failure()
 
     def shutdown(self, kill: bool = False) -> None:
-        """Stops the model's other ranks (at once with `kill`, for an engine that is dying) and leaves their
-        process group. Idempotent; nothing to do for a model on one rank."""
+        """Stops the model's other ranks and leaves their process group; with `kill`, for an engine that is
+        dying, ends them at once and leaves the group as it is (a thread may still be in a collective).
+        Idempotent; nothing to do for a model on one rank."""
         if self.workers is None:
             return
         if kill:
             self.workers.kill()
         self.workers.shutdown()
-        leave_rank_group(self.parallel.group)
+        if not kill and self.parallel.group.device_group is not None:
+            leave_rank_group(self.parallel.group)
+            self.parallel = UNSPLIT
 
     def _pool(self, req: Request, hidden: torch.Tensor) -> EngineCoreOutput:
         """The embedding of a prefilled request (last-token pooling); the request ends here and its

@@ -40,9 +40,22 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_options: bool = True) -> Non
     g.add_argument("--quantization", default=None, choices=["int8"],
                    help="int8: dynamically quantized int8 linear layers (CPU, float32; faster decode, "
                         "slightly different output)")
+    g = p.add_argument_group("parallel (one model over several ranks)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks to split the model over (heads, MLP width, vocabulary); default 1")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE: split the experts across the ranks instead of splitting each expert")
+    g.add_argument("--expert-comm", default="all-to-all", choices=["all-to-all", "all-gather"],
+                   help="how expert parallel moves tokens to their experts' ranks (default all-to-all)")
+    g.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
+                   help="mp: worker processes on this machine (the default); ray: Ray actors, on any machines "
+                        "of a Ray cluster (RAY_ADDRESS; pip install 'slotserve[ray]')")
+    g.add_argument("--distributed-timeout", type=float, default=120.0,
+                   help="seconds a collective or a worker may take before the engine gives up (default 120)")
     if cpu_options:
+        g = p.add_argument_group("CPU")
         g.add_argument("--threads", type=int, default=None,
-                       help="CPU threads for torch and the thread pool (default: SLOTSERVE_THREADS, else the "
+                       help="CPU threads for torch and the thread pool, per rank (default: SLOTSERVE_THREADS, else the "
                             "cores this process may use)")
         g.add_argument("--cpu-affinity", type=_cpu_list(parse_cpu_list), default=None,
                        help="run on these cores only, one pool worker pinned to each, e.g. 0-3 or 0,2")
@@ -169,7 +182,11 @@ def engine_config(args: argparse.Namespace):
                         kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching, task=args.task,
-                        quantization=args.quantization, threads=args.threads, cpu_affinity=args.cpu_affinity)
+                        quantization=args.quantization, threads=args.threads, cpu_affinity=args.cpu_affinity,
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        enable_expert_parallel=args.enable_expert_parallel, expert_comm=args.expert_comm,
+                        distributed_executor_backend=args.distributed_executor_backend,
+                        distributed_timeout=args.distributed_timeout)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -226,6 +243,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         args.task = "embed"
         result = run_embed(make_llm(args).engine, args)
+    elif args.bench == "parallel":
+        from slotserve.bench.parallel import run_parallel
+
+        result = run_parallel(make_llm, args)
     elif args.bench == "serve":
         from slotserve.bench.serve import run_serve_bench
 
@@ -295,6 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--input-len", type=int, default=512, help="prompt tokens for the prefill figure")
     b.add_argument("--output-len", type=int, default=128, help="tokens decoded for the decode figure")
     b.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the median is reported")
+    add_engine_args(b)
+    b.set_defaults(func=cmd_bench)
+    b = bench.add_parser("parallel", help="the same steps on 1 rank and on --tensor-parallel-size ranks (default 2)")
+    b.add_argument("--input-len", type=int, default=256, help="prompt tokens of the prefill, and the decode context")
+    b.add_argument("--batch", type=int, default=8, help="decode rows of the batched decode step")
+    b.add_argument("--repeats", type=int, default=5, help="timed steps of each kind; the median is reported")
     add_engine_args(b)
     b.set_defaults(func=cmd_bench)
     b = bench.add_parser("embed", help="embeddings per second for a batch of sentences (task embed)")

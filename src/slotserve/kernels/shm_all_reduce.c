@@ -2,7 +2,8 @@
    a slot each (distributed/shm_all_reduce.py creates the segment and describes the protocol).
 
    Segment layout, for `world` ranks and slots of `stride` bytes:
-     [0, FLAGS_BYTES(world))   flag r (an int64 at r * FLAG_STRIDE): the last round rank r has written
+     [0, data)   flag r, an int64 at r * FLAG_STRIDE: the last round rank r has written (data: the
+                 flags' bytes rounded up to a page)
      [data, data + 2 * world * stride)   two sets of `world` slots; round k uses set k % 2
 
    A round: copy this rank's part into its slot of the round's set, publish the round number in its flag
@@ -12,7 +13,8 @@
 
    Waiting spins with `pause` for a while, then yields the core at each look: ranks can outnumber the
    cores (4 ranks on 2), and a rank spinning on a core keeps off it the rank it waits for. The clock is
-   read every TIME_CHECK looks; past the deadline the round gives up and reports the flags it saw.
+   read after each yield (a yield can hand the core over for a whole time slice); past the deadline the
+   round gives up and reports the flags it saw.
 
    The ranks' constants travel in one struct: ctypes converts each argument of a call anew, ~0.2 us
    apiece, where a whole round of 896 floats between two ranks takes ~2 us. */
@@ -37,9 +39,9 @@
 #define FLAG_STRIDE 128
 #define DATA_ALIGN 4096
 /* ~1-2 us of pauses (one is ~20 ns on a Sapphire Rapids VM), about a round when every rank has a core.
-   With 4 ranks on 2 cores a round took 6.6 us with 100 (or none), 14 us with 500 and 40 us with 2000. */
+   With 4 ranks on 2 cores a round of 896 floats took 5.8 us with 64, 6.6 us with 100 (or none), 14 us
+   with 500 and 40 us with 2000. */
 #define SPINS_BEFORE_YIELD 64
-#define TIME_CHECK 256
 #define BLOCK 2048 /* elements summed together: the partial sums stay in L1 across the ranks' slots */
 
 enum { F32 = 0, BF16 = 1 };
@@ -63,12 +65,13 @@ static char *slot(void *segment, int world, long stride, int64_t round, int r) {
 static int wait_all(void *segment, int world, int64_t round, double deadline, int64_t *seen) {
     for (int r = 0; r < world; r++) {
         _Atomic int64_t *f = flag(segment, r);
-        for (long looks = 1; atomic_load_explicit(f, memory_order_acquire) < round; looks++) {
-            if (looks < SPINS_BEFORE_YIELD)
+        for (long looks = 0; atomic_load_explicit(f, memory_order_acquire) < round; looks++) {
+            if (looks < SPINS_BEFORE_YIELD) {
                 cpu_relax();
-            else
-                sched_yield();
-            if (looks % TIME_CHECK == 0 && now() > deadline) {
+                continue;
+            }
+            sched_yield();
+            if (now() > deadline) {
                 for (int q = 0; q < world; q++) seen[q] = atomic_load_explicit(flag(segment, q), memory_order_acquire);
                 return 0;
             }
