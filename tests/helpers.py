@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -20,3 +20,17 @@ def assert_figures(figures: Mapping[str, Any], *keys: str) -> None:
             value = value[part]
         assert isinstance(value, int | float) and not isinstance(value, bool), f"{key}: {value!r} is not a number"
         assert math.isfinite(value) and value > 0, f"{key}: {value!r} is not a finite figure > 0"
+
+
+def run_to_completion(engine: Any, prompts: Sequence[list[int]], params: Any) -> dict[str, list[int]]:
+    """Adds the prompts as requests r0, r1, ... to an `LLMEngine`, steps it until all finish, checks that every KV
+    block is back in the pool; each request's token ids."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    engine.kv.pool.check_whole()
+    return done

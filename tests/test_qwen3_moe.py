@@ -30,6 +30,7 @@ from slotserve.models.loader import (
 from slotserve.models.qwen3_moe import SparseMoeBlock
 from slotserve.parallel import threadpool as tp
 from tests.conftest import QWEN_TOKENIZER_DIR
+from tests.helpers import run_to_completion
 from tests.test_model_parity import _check_flat_batch, _check_prefill_and_decode, _runner
 
 CPU = torch.device("cpu")
@@ -159,15 +160,7 @@ def make_engine(path, blocks=512, **kwargs) -> LLMEngine:
 
 
 def run(engine: LLMEngine, prompts) -> dict[str, list[int]]:
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, GREEDY)
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    engine.kv.pool.check_whole()
-    return done
+    return run_to_completion(engine, prompts, GREEDY)
 
 
 @pytest.fixture(scope="module")

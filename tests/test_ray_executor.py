@@ -1,9 +1,13 @@
 """The `ray` executor backend against the single-process engine: logits within 1e-4 and the same greedy tokens,
 with the worker ranks as Ray actors on a local Ray and on a simulated two-node cluster (both started and
-stopped here); after `shutdown` the actors are gone, their placement group removed, the caller's Ray kept."""
+stopped here); after `shutdown` the actors are gone, their placement group removed, the caller's Ray kept.
+Also: ranks that cannot be placed, a Ray the executor starts (and stops) itself, and an actor that dies."""
 
 from __future__ import annotations
 
+import os
+import re
+import threading
 import time
 from pathlib import Path
 
@@ -11,6 +15,7 @@ import pytest
 import torch
 
 ray = pytest.importorskip("ray", reason="the ray backend needs ray (pip install 'slotserve[ray]')")
+pytestmark = pytest.mark.slow  # each test starts a Ray (seconds of processes on 2 cores)
 
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.placement_group import placement_group_table  # noqa: E402
@@ -18,8 +23,9 @@ from ray.util.placement_group import placement_group_table  # noqa: E402
 from slotserve import LLM, SamplingParams  # noqa: E402
 from slotserve.distributed.executor import WorkerError  # noqa: E402
 from slotserve.distributed.ray_executor import RayExecutor  # noqa: E402
-from slotserve.engine.faults import FAULT_ENV, FaultPoint  # noqa: E402
 from slotserve.engine.model_runner import ScheduledSeq, Want  # noqa: E402
+from slotserve.parallel import threadpool  # noqa: E402
+from slotserve.parallel.cpu import restrict_process  # noqa: E402
 
 KV = 1 << 24
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -40,6 +46,16 @@ def greedy(llm: LLM) -> list[list[int]]:
 def reference(tiny_qwen3: Path) -> tuple[torch.Tensor, list[list[int]]]:
     llm = LLM(model=str(tiny_qwen3), kv_cache_memory=KV)
     return probe_logits(llm), greedy(llm)
+
+
+@pytest.fixture(autouse=True)
+def restore_cpu():
+    """A TP engine pins this process (its rank 0) to its share of the cores: the tests after get them all back."""
+    cores, threads = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+    yield
+    restrict_process(cores)
+    threadpool.configure_pool()
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture
@@ -63,13 +79,21 @@ def two_nodes():
 
 
 def rank_actor_pids() -> list[int]:
-    """Processes of this machine that are (or were just now) a RankActor."""
+    """This test process's RankActor processes (their raylets are its children): those alive or just ending."""
+    def descends_from_us(pid: int) -> bool:
+        while pid > 1:
+            pid = int((Path("/proc") / str(pid) / "stat").read_text().rpartition(")")[2].split()[1])
+            if pid == os.getpid():
+                return True
+        return False
+
     pids = []
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and b"ray::RankActor" in (proc / "cmdline").read_bytes():
+            if proc.name.isdigit() and b"ray::RankActor" in (proc / "cmdline").read_bytes() \
+                    and descends_from_us(int(proc.name)):
                 pids.append(int(proc.name))
-        except OSError:  # exited meanwhile
+        except (OSError, ValueError, IndexError):  # exited meanwhile
             continue
     return pids
 
@@ -93,7 +117,7 @@ def ray_llm(path: Path, tp: int, **kwargs) -> LLM:
                **kwargs)
 
 
-def check_parity_and_shutdown(llm: LLM, reference, workers: int, nodes: set[str] | None = None) -> RayExecutor:
+def check_parity_and_shutdown(llm: LLM, reference, workers: int, nodes: set[str] | None = None) -> None:
     """The TP engine's logits and tokens are the single-process ones (its bundles on `nodes` when given);
     after `shutdown` its actors exited on the driver's word and are gone, their placement group removed."""
     executor = llm.engine.core.workers
@@ -112,7 +136,13 @@ def check_parity_and_shutdown(llm: LLM, reference, workers: int, nodes: set[str]
     if ray.is_initialized():  # the caller's
         assert placement_group_table(executor.pg)["state"] == "REMOVED"
     wait_gone()
-    return executor
+
+
+def wait_for_failure(executor: RayExecutor, timeout_s: float = 15) -> str | None:
+    deadline = time.monotonic() + timeout_s
+    while (failure := executor.failure()) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return failure
 
 
 def test_local_ray(tiny_qwen3, reference, local_ray):
@@ -131,29 +161,28 @@ def test_two_node_cluster(tiny_qwen3, reference, two_nodes):
     assert ray.is_initialized()
 
 
-def test_a_ray_of_its_own(tiny_qwen3, reference, monkeypatch):
-    """With no Ray connected (and no RAY_ADDRESS) the executor starts a local one, and shuts it down with it."""
+def test_a_ray_of_its_own_and_a_killed_rank(tiny_qwen3, reference, monkeypatch):
+    """With no Ray connected (and no RAY_ADDRESS) the executor starts a local one, and shuts it down with it. A
+    rank whose actor dies is a failure with its reason, seen from another thread than the engine's."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert not ray.is_initialized()
     try:
         llm = ray_llm(tiny_qwen3, 2)
-        assert ray.is_initialized()
-        check_parity_and_shutdown(llm, reference, workers=1)
+        executor = llm.engine.core.workers
+        try:
+            assert ray.is_initialized()
+            assert torch.allclose(probe_logits(llm), reference[0], atol=1e-4, rtol=0)
+            assert executor.failure() is None
+            executor.kill()
+            seen: list[str | None] = []
+            watcher = threading.Thread(target=lambda: seen.append(wait_for_failure(executor)))
+            watcher.start()
+            watcher.join()
+            assert re.match(r"worker rank 1 \(ray actor\) failed: \w*Actor\w*Error", seen[0] or ""), seen
+        finally:
+            llm.shutdown()
         assert not ray.is_initialized()
+        wait_gone()
     finally:
         ray.shutdown()
 
-
-def test_a_rank_that_raises(tiny_qwen3, local_ray, monkeypatch):
-    """The fault reaches the actor through its runtime env (set after Ray started); the engine fails with the
-    rank's reason, and the actor's exit code is known."""
-    monkeypatch.setenv(FAULT_ENV, f"{FaultPoint.WORKER_STEP.value}:3")
-    llm = ray_llm(tiny_qwen3, 2, distributed_timeout=3)
-    executor = llm.engine.core.workers
-    try:
-        with pytest.raises(WorkerError, match="rank 1: InjectedFault"):
-            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert executor.exited() == ["worker rank 1 (ray actor) exited with code 1"]
-    finally:
-        llm.shutdown()
-    wait_gone()

@@ -134,7 +134,7 @@ def _run(world: int, limit_s: float = 30.0) -> list[dict]:
     return [got[r] for r in range(world)]
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda world: f"{world}-ranks")
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=lambda world: f"{world}-ranks")
 def ranks(request) -> list[dict]:
     """Each rank's results of both scenarios, for `world` ranks."""
     return _run(request.param)

@@ -6,16 +6,19 @@ exchange). Every engine here starts real worker processes and stops them."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
 
 from slotserve.config import EngineConfig, ModelConfig
+from slotserve.distributed.executor import WorkerError
 from slotserve.engine.engine_core import check_split
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, Want
 from slotserve.sampling_params import SamplingParams
 from tests.conftest import build_tiny_model
+from tests.helpers import run_to_completion
 from tests.test_qwen3_moe import build_tiny_moe
 
 BLOCK = 4
@@ -43,15 +46,7 @@ def make_engine(path: str, blocks: int, **kwargs) -> LLMEngine:
 
 
 def run(engine: LLMEngine, prompts) -> dict[str, list[int]]:
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, GREEDY)
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    engine.kv.pool.check_whole()
-    return done
+    return run_to_completion(engine, prompts, GREEDY)
 
 
 def probe_logits(engine: LLMEngine) -> list[torch.Tensor]:
@@ -74,17 +69,19 @@ def reference(models) -> dict[str, tuple[list[torch.Tensor], dict[str, list[int]
     return out
 
 
-# Four ranks on two cores take turns at every collective: those cases are the slow tier's.
+# The fast tier keeps one case of each kind (dense with and without q/k/v bias, experts across ranks); four ranks
+# on two cores, which take turns at every collective, and the other exchanges are the slow tier's.
 SLOW = pytest.mark.slow
 CASES = [
     ("qwen3", dict(tensor_parallel_size=2)),
     pytest.param("qwen3", dict(tensor_parallel_size=4), marks=SLOW),  # 2 KV heads: each on two ranks
     ("qwen2", dict(tensor_parallel_size=2)),
     pytest.param("qwen2", dict(tensor_parallel_size=4), marks=SLOW),
-    ("moe", dict(tensor_parallel_size=2)),  # each expert split
+    pytest.param("moe", dict(tensor_parallel_size=2), marks=SLOW),  # each expert split
     ("moe", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
     pytest.param("moe", dict(tensor_parallel_size=4, enable_expert_parallel=True), marks=SLOW),
-    ("moe", dict(tensor_parallel_size=2, enable_expert_parallel=True, expert_comm="all-gather")),
+    pytest.param("moe", dict(tensor_parallel_size=2, enable_expert_parallel=True, expert_comm="all-gather"),
+                 marks=SLOW),
     pytest.param("moe", dict(tensor_parallel_size=4, enable_expert_parallel=True, expert_comm="all-gather"),
                  marks=SLOW),
 ]
@@ -125,3 +122,21 @@ def test_expert_parallel_needs_several_ranks():
         EngineConfig(enable_expert_parallel=True)
     with pytest.raises(ValueError, match="distributed_executor_backend: unknown value 'slurm'"):
         EngineConfig(tensor_parallel_size=2, distributed_executor_backend="slurm")
+
+
+def test_a_killed_worker_fails_the_next_step_at_once(models):
+    """Offline (no watchdog thread): the driver, waiting in a collective for a rank whose process is gone, learns
+    so within a fraction of a second, not at the collective's timeout."""
+    engine = make_engine(models["qwen3"], blocks=64, tensor_parallel_size=2)
+    try:
+        engine.add_request("r", PROMPTS[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        engine.step()
+        (worker,) = engine.core.workers.processes.values()
+        worker.kill()
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - start < 10  # the timeout is 60 s
+    finally:
+        engine.shutdown()

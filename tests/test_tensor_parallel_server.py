@@ -66,8 +66,8 @@ def test_tp2_server_answers_as_the_single_process_engine(tiny_qwen3):
         _wait_gone(workers, 10)
 
 
-@pytest.mark.parametrize("how", ["sigkill", pytest.param("raises", marks=pytest.mark.slow),
-                                 pytest.param("hangs", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["sigkill", "raises", "hangs"])
 def test_a_failed_worker_ends_the_engine_with_the_reason(tiny_qwen3, how):
     env = {"raises": fault_spec(FaultPoint.WORKER_STEP, 40), "hangs": fault_spec(FaultPoint.WORKER_HANG, 40)}
     srv = Server(tiny_qwen3, "-tp", "2", "--engine-death-exit-delay", "2", "--distributed-timeout", "3",

@@ -124,6 +124,11 @@ class Executor(ABC):
         except zmq.ZMQError as e:
             raise self.explain(e) from e
 
+    def check(self) -> None:
+        """Raises WorkerError where `failure` has a reason."""
+        if (reason := self.failure()) is not None:
+            raise WorkerError(reason)
+
     def failure(self) -> str | None:
         """Why the workers can no longer run the model (one reported an error, or is gone); None while they
         can. From one thread only, which may be another than the one driving the steps."""

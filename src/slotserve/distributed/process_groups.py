@@ -6,6 +6,8 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
+import threading
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -22,14 +24,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def init_rank_group(rank: int, world_size: int, init_method: str, device: torch.device,
-                    timeout_s: float) -> RankGroup:
-    """Joins (blocking until all `world_size` ranks have) the group of one model; every collective of it times
-    out after `timeout_s`."""
-    timeout = datetime.timedelta(seconds=timeout_s)
+# How long the ranks may take to meet: processes or Ray actors starting and importing torch, on a loaded machine.
+STARTUP_S = 300.0
+
+
+def init_rank_group(rank: int, world_size: int, init_method: str, device: torch.device, timeout_s: float,
+                    check: Callable[[], None] | None = None) -> RankGroup:
+    """Joins (blocking until all `world_size` ranks have, within STARTUP_S) the group of one model; every
+    collective of it times out after `timeout_s`. `check`, called while waiting, raises when a rank that is
+    expected can no longer come (its process is gone)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
-    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
+    _join(lambda: dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                          timeout=datetime.timedelta(seconds=max(timeout_s, STARTUP_S))), check)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    device_group = dist.new_group(backend=backend, timeout=timeout)
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else device_group
     hosts: list[str | None] = [None] * world_size
     dist.all_gather_object(hosts, socket.gethostname(), group=cpu_group)
     fast = None
@@ -37,7 +46,30 @@ def init_rank_group(rank: int, world_size: int, init_method: str, device: torch.
         fast = ShmAllReduce(rank, world_size, cpu_group, timeout_s=timeout_s)
     logger.info("rank %d of %d joined (%s%s)", rank, world_size, backend,
                 ", shared-memory all-reduce" if fast is not None else "")
-    return RankGroup(rank, world_size, dist.group.WORLD, cpu_group, fast, timeout)
+    return RankGroup(rank, world_size, device_group, cpu_group, fast, timeout)
+
+
+def _join(rendezvous: Callable[[], None], check: Callable[[], None] | None) -> None:
+    """Runs the rendezvous; with `check`, in a thread, calling `check` meanwhile (the rendezvous cannot be
+    interrupted: a rank that died before joining would otherwise hold this one for STARTUP_S)."""
+    if check is None:
+        rendezvous()
+        return
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            rendezvous()
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=run, name="rendezvous", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        check()
+        thread.join(timeout=0.2)
+    if errors:
+        raise errors[0]
 
 
 def leave_rank_group(group: RankGroup) -> None:

@@ -3,7 +3,8 @@
 The workers are those of worker.py, each in an actor of its own, in one placement group (a bundle of CPUs
 per rank, packed onto as few nodes as hold them). They reach the driver at this node's address as Ray
 knows it. Ray's fate-sharing ends the actors when the driver's process is gone, so they watch no parent.
-`RAY_ADDRESS` names the cluster to join; without it (and no Ray connected yet) a local Ray starts.
+Where this process has no Ray connected yet, `RAY_ADDRESS` names the cluster to join; without it, Ray joins
+one started on this machine (`ray start`), else starts a local one, shut down with the executor.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ class RankActor:
     """One worker rank: its whole life is one call."""
 
     def run(self, spec: WorkerSpec, threads: int) -> int:
-        # The bundle's CPUs, and no core of this node claimed for itself (others' actors share them).
+        # The bundle's CPUs; the driver's cpu_affinity names cores of its own machine, not of this one.
         spec.config["threads"] = threads
         spec.config["cpu_affinity"] = None
+        spec.pin_cores = False
         logging.basicConfig(level=os.environ.get("SLOTSERVE_LOG_LEVEL", "INFO"),
                             format=f"%(levelname)s %(asctime)s rank-{spec.rank}: %(message)s", datefmt="%H:%M:%S")
         return run_worker(spec)
@@ -75,8 +77,7 @@ class RayExecutor(Executor):
             raise
 
     def _launch(self, specs: list[WorkerSpec]) -> None:
-        bundle = {"CPU": self.threads}
-        self.pg = placement_group([dict(bundle) for _ in specs], strategy="PACK")
+        self.pg = placement_group([{"CPU": self.threads} for _ in specs], strategy="PACK")
         timeout = self.config.distributed_timeout
         if not self.pg.wait(timeout_seconds=timeout):
             total, free = ray.cluster_resources().get("CPU", 0), ray.available_resources().get("CPU", 0)

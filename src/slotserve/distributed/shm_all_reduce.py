@@ -20,6 +20,7 @@ import ctypes
 import mmap
 import os
 import secrets
+import struct
 from pathlib import Path
 
 import torch
@@ -35,7 +36,7 @@ class _Group(ctypes.Structure):
 
     _fields_ = (("segment", ctypes.c_void_p), ("capacity", ctypes.c_long), ("stride", ctypes.c_long),
                 ("world", ctypes.c_int), ("rank", ctypes.c_int), ("timeout_s", ctypes.c_double),
-                ("round", ctypes.c_int64), ("seen", ctypes.POINTER(ctypes.c_int64)))
+                ("round", ctypes.c_int64), ("seen", ctypes.POINTER(ctypes.c_int64)), ("gone", ctypes.c_int))
 
 
 _ARGS = (ctypes.POINTER(_Group), ctypes.c_void_p, ctypes.c_long, ctypes.c_int)
@@ -45,7 +46,11 @@ _FLAG_STRIDE, _DATA_ALIGN, _SLOT_ALIGN = 128, 4096, 64
 
 
 class CollectiveTimeoutError(RuntimeError):
-    """Some rank did not reach a collective within its timeout (it died, hangs, or took another path)."""
+    """Some rank did not reach a collective within its timeout (it hangs, or took another path)."""
+
+
+class RankGoneError(RuntimeError):
+    """The process of a rank this one waited for in a collective is gone."""
 
 
 def _kernel() -> ctypes._CFuncPtr | None:
@@ -81,6 +86,7 @@ class ShmAllReduce:
             if rank != 0:
                 fd = os.open(name[0], os.O_RDWR)
             self._map = mmap.mmap(fd, size)
+            struct.pack_into("q", self._map, rank * _FLAG_STRIDE + 8, os.getpid())  # beside its flag: who waits looks
             if world_size > 1:
                 dist.barrier(group=cpu_group)  # every rank has mapped it: the name may go
         finally:
@@ -113,10 +119,14 @@ class ShmAllReduce:
             raise ValueError(f"ShmAllReduce sums contiguous CPU tensors, not one on {t.device} of strides {t.stride()}")
         if self._unusable is not None:
             raise RuntimeError(f"ShmAllReduce: {self._unusable}")
-        if self._kernel(self._group_ref, t.data_ptr(), t.numel(), code):
+        status = self._kernel(self._group_ref, t.data_ptr(), t.numel(), code)
+        if status:
             failed = self._group.round
             missing = [r for r in range(self.world_size) if self._seen[r] < failed]
-            self._unusable = f"round {failed} timed out, so the ranks' rounds no longer match"
+            self._unusable = f"round {failed} failed, so the ranks' rounds no longer match"
+            if status == 2:
+                raise RankGoneError(f"rank {self.rank}: all-reduce round {failed}: the process of rank "
+                                    f"{self._group.gone} is gone")
             raise CollectiveTimeoutError(f"rank {self.rank}: all-reduce round {failed} timed out after "
                                          f"{self.timeout_s:g} s; ranks {missing} did not arrive")
 

@@ -93,6 +93,7 @@ class WorkerSpec:
     model_path: str
     config: dict  # the EngineConfig's fields
     driver_pid: int = 0  # a worker process's parent, watched; 0: not watched (a Ray actor)
+    pin_cores: bool = True  # take this rank's share of the host's cores (`rank_cpu_settings`); False: `threads` only
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), default=lambda v: v.value)
@@ -148,7 +149,7 @@ class Worker:
 
     def load(self) -> None:
         config, spec = self.config, self.spec
-        threads, cores = rank_cpu_settings(config, spec.rank)
+        threads, cores = rank_cpu_settings(config, spec.rank) if spec.pin_cores else (config.threads, None)
         apply_cpu_settings(threads, cores)
         device = parse_device(config.device)
         if device.type == "cuda":

@@ -64,7 +64,8 @@ class EngineCore:
             check_split(ModelConfig.from_dir(model_path), config)
             self.workers = start_executor(config, model_path)
             try:
-                group = init_rank_group(0, tp, self.workers.init_method, self.device, config.distributed_timeout)
+                group = init_rank_group(0, tp, self.workers.init_method, self.device, config.distributed_timeout,
+                                        check=self.workers.check)
             except Exception:
                 self.workers.shutdown()
                 raise
