@@ -73,6 +73,17 @@ def test_bench_latency_prints_json(tiny_qwen3):
     assert_figures(figures, "prefill_tokens_per_s", "decode_tokens_per_s")
 
 
+def test_bench_parallel_prints_both_splits(tiny_qwen3):
+    result = run("bench", "parallel", "-m", str(tiny_qwen3), "--kv-cache-memory", "8M", "--input-len", "16",
+                 "--batch", "2", "--repeats", "1")
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert_figures(figures, "tp1.prefill_ms", "tp1.decode_b1_ms", "tp1.decode_b2_ms", "tp2.prefill_ms",
+                   "tp2.decode_b2_ms", "tp2.decode_b2_collectives_ms", "decode_b2_ms_tp2_over_tp1")
+    assert figures["tp1"]["decode_b1_collectives_ms"] == 0  # one rank has no collectives
+    assert len(figures["tp2"]["resident_gib_per_rank"]) == 2
+
+
 def test_bench_throughput_and_attention_print_json(tiny_qwen3):
     result = run("bench", "throughput", "-m", str(tiny_qwen3), "--kv-cache-memory", "8M", "--num-prompts", "4",
                  "--input-len", "16", "--output-len", "4", "--baseline-prompts", "2", "--compare-transformers",
