@@ -78,6 +78,7 @@ CASES = [
     ("qwen2", dict(tensor_parallel_size=2)),
     pytest.param("qwen2", dict(tensor_parallel_size=4), marks=SLOW),
     pytest.param("moe", dict(tensor_parallel_size=2), marks=SLOW),  # each expert split
+    pytest.param("moe", dict(tensor_parallel_size=4), marks=SLOW),
     ("moe", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
     pytest.param("moe", dict(tensor_parallel_size=4, enable_expert_parallel=True), marks=SLOW),
     pytest.param("moe", dict(tensor_parallel_size=2, enable_expert_parallel=True, expert_comm="all-gather"),
