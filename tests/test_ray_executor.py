@@ -35,7 +35,7 @@ PROBE = list(range(100, 140))  # the logits' prompt: three blocks of 16
 
 def probe_logits(llm: LLM) -> torch.Tensor:
     """Every position's logits of one prefilled prompt, straight through the core."""
-    return llm.engine.core._execute([ScheduledSeq(PROBE, 0, [0, 1, 2], want=Want.ALL)])[0].logits
+    return llm.engine.core.execute([ScheduledSeq(PROBE, 0, [0, 1, 2], want=Want.ALL)])[0].logits
 
 
 def greedy(llm: LLM) -> list[list[int]]:

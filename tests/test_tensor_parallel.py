@@ -55,7 +55,7 @@ def probe_logits(engine: LLMEngine) -> list[torch.Tensor]:
     blocks = [list(range(0, 8)), list(range(8, 16))]
     prefill = [ScheduledSeq(p, 0, b, want=Want.ALL) for p, b in zip(PROBE, blocks, strict=True)]
     decode = [ScheduledSeq([p[0]], len(p), b, want=Want.ALL) for p, b in zip(PROBE, blocks, strict=True)]
-    return [r.logits for step in (prefill, decode) for r in engine.core._execute(step)]
+    return [r.logits for step in (prefill, decode) for r in engine.core.execute(step)]
 
 
 @pytest.fixture(scope="module")

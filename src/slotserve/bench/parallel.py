@@ -22,7 +22,7 @@ def _step_ms(engine: Any, seqs: list[ScheduledSeq], repeats: int) -> tuple[float
     for _ in range(repeats + 1):  # the first warms up
         before = clock.seconds
         start = time.perf_counter()
-        engine.core._execute(seqs)
+        engine.core.execute(seqs)
         steps.append(time.perf_counter() - start)
         waits.append(clock.seconds - before)
     return round(1000 * statistics.median(steps[1:]), 2), round(1000 * statistics.median(waits[1:]), 2)
@@ -43,7 +43,7 @@ def _measure(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
     prompt = [rng.randrange(1000, 50_000) for _ in range(args.input_len)]
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(min(args.batch, blocks // per_seq))]
     for table in tables:  # a context of input_len tokens for each decode row
-        engine.core._execute([ScheduledSeq(prompt, 0, table, want=Want.NONE)])
+        engine.core.execute([ScheduledSeq(prompt, 0, table, want=Want.NONE)])
     prefill_ms, prefill_wait = _step_ms(engine, [ScheduledSeq(prompt, 0, tables[0], want=Want.LAST)], args.repeats)
     figures = {"prefill_ms": prefill_ms, "prefill_collectives_ms": prefill_wait}
     for batch in sorted({1, len(tables)}):

@@ -61,13 +61,6 @@ class RankGroup:
         """Rank 0: the one in the engine core's process, which alone receives the logits."""
         return self.rank == 0
 
-    def share(self, n: int) -> slice:
-        """This rank's even part of `n` items (n must divide by the group's size)."""
-        if n % self.size:
-            raise ValueError(f"{n} does not split over {self.size} ranks")
-        part = n // self.size
-        return slice(self.rank * part, (self.rank + 1) * part)
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks, in place; returns `x`."""
         if self.size == 1:

@@ -166,7 +166,6 @@ class Worker:
 
     def serve(self) -> None:
         """Steps until the driver says stop or is gone."""
-        steps = 0
         while (message := self.receive()) is not None:
             if isinstance(message, Shutdown):
                 return
@@ -174,7 +173,6 @@ class Worker:
                 self.runner = ModelRunner(self.model, self.model_config, message.num_blocks, self.config.block_size)
                 self.report("ready")
                 continue
-            steps += 1
             faults.check(FaultPoint.WORKER_STEP)
             if faults.fires(FaultPoint.WORKER_HANG):
                 self._hang()

@@ -19,7 +19,7 @@ from slotserve.distributed.executor import Executor, start_executor
 from slotserve.distributed.group import UNSPLIT, ModelParallel
 from slotserve.distributed.process_groups import init_rank_group, leave_rank_group
 from slotserve.distributed.worker import rank_cpu_settings
-from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, Want
+from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, SeqResult, Want
 from slotserve.engine.request import EngineCoreOutput, EngineCoreRequest, Request
 from slotserve.engine.scheduler import Scheduler
 from slotserve.kv_cache.manager import KVCacheManager
@@ -193,7 +193,7 @@ class EngineCore:
                     else Want.GREEDY if req.sampling.takes_argmax() else Want.LAST)
             seqs.append(ScheduledSeq(req.token_ids(start, start + num_new), start, req.block_table,
                                      want=want if last_chunk or scores_prompt else Want.NONE))
-        results = self._execute(seqs)
+        results = self.execute(seqs)
         outputs, sampling = [], []
         for (req, num_new), seq, result in zip(plan.scheduled, seqs, results, strict=True):
             if seq.want is Want.ALL:
@@ -214,7 +214,9 @@ class EngineCore:
                         for i, (req, _) in enumerate(sampling)]
         return outputs
 
-    def _execute(self, seqs: list[ScheduledSeq]) -> list:
+    def execute(self, seqs: list[ScheduledSeq]) -> list[SeqResult]:
+        """One forward pass over these sequences on every rank (`ModelRunner.execute`); a failed collective
+        becomes the WorkerError that says which rank failed."""
         if self.workers is None:
             return self.runner.execute(seqs)
         self.workers.send_step(seqs)
