@@ -217,6 +217,11 @@ class EngineConfig:
     expert_comm: ExpertCommKind = ExpertCommKind.ALL_TO_ALL
     distributed_executor_backend: ExecutorBackend | None = None  # None: mp when tensor_parallel_size > 1
     distributed_timeout: float = 120.0  # seconds any collective or worker reply may take before the engine dies
+    # Micro-batch overlap (engine/ubatching.py): a step of at least the threshold's tokens (decode-only steps,
+    # others) runs as this many micro-batches, one computing while another's collectives travel. 1: off.
+    ubatches: int = 1
+    ubatch_decode_threshold: int = 32
+    ubatch_prefill_threshold: int = 512
 
     def __post_init__(self) -> None:
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
@@ -253,6 +258,13 @@ class EngineConfig:
         if self.enable_expert_parallel and tp == 1:
             raise ValueError("enable_expert_parallel: needs tensor_parallel_size > 1 (the experts split over its "
                              "ranks)")
+        for name in ("ubatches", "ubatch_decode_threshold", "ubatch_prefill_threshold"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        if self.ubatches > 1 and tp == 1:
+            raise ValueError("ubatches: micro-batches overlap the collectives of several ranks; needs "
+                             "tensor_parallel_size > 1")
         if not isinstance(self.distributed_timeout, int | float) or self.distributed_timeout <= 0:
             raise ValueError(f"distributed_timeout: must be a positive number of seconds, "
                              f"got {self.distributed_timeout!r}")

@@ -53,8 +53,8 @@ class RankGoneError(RuntimeError):
     """The process of a rank this one waited for in a collective is gone."""
 
 
-def _kernel() -> ctypes._CFuncPtr | None:
-    return native.function(SOURCE, "slotserve_shm_all_reduce", _ARGS)
+def _kernel(name: str = "slotserve_shm_all_reduce") -> ctypes._CFuncPtr | None:
+    return native.function(SOURCE, name, _ARGS)
 
 
 class ShmAllReduce:
@@ -68,6 +68,9 @@ class ShmAllReduce:
         if capacity_bytes < _SLOT_ALIGN:
             raise ValueError(f"capacity_bytes: {capacity_bytes} is less than {_SLOT_ALIGN}")
         self._kernel = native.require(_kernel(), SOURCE)
+        self._publish, self._collect = _kernel("slotserve_shm_publish"), _kernel("slotserve_shm_collect")
+        self._completed_at = native.function(SOURCE, "slotserve_shm_completed_at",
+                                             (ctypes.POINTER(_Group), ctypes.POINTER(ctypes.c_double)))
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         stride = -(-capacity_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
         data = -(-world_size * _FLAG_STRIDE // _DATA_ALIGN) * _DATA_ALIGN
@@ -112,6 +115,29 @@ class ShmAllReduce:
     def all_reduce(self, t: torch.Tensor) -> None:
         """Sums `t` (a contiguous float32 or bfloat16 CPU tensor) over the ranks, in place; bfloat16 sums in
         float32 and rounds once."""
+        self._check(self._kernel(self._group_ref, t.data_ptr(), t.numel(), self._code(t)))
+
+    def fits_one_round(self, t: torch.Tensor) -> bool:
+        """Whether `t` can be summed by `start` and `finish` (it fits a slot)."""
+        return t.numel() * t.element_size() <= self._group.capacity
+
+    def start(self, t: torch.Tensor) -> None:
+        """The first half of `all_reduce` of a tensor that `fits_one_round`: publishes this rank's part. Until
+        `finish(t)`, `t` must stay as it is and this group must run no other sum."""
+        if not self.fits_one_round(t):
+            raise ValueError(f"ShmAllReduce.start: {t.numel() * t.element_size()} bytes do not fit a slot of "
+                             f"{self._group.capacity}")
+        self._publish(self._group_ref, t.data_ptr(), t.numel(), self._code(t))
+
+    def finish(self, t: torch.Tensor) -> float:
+        """The second half: waits for the other ranks' parts and sums them into `t`. Returns when the last rank
+        published (`time.monotonic()` seconds): when the communication itself ended."""
+        self._check(self._collect(self._group_ref, t.data_ptr(), t.numel(), self._code(t)))
+        at = ctypes.c_double()
+        self._completed_at(self._group_ref, ctypes.byref(at))
+        return at.value
+
+    def _code(self, t: torch.Tensor) -> int:
         code = _DTYPES.get(t.dtype)
         if code is None:
             raise TypeError(f"ShmAllReduce sums float32 or bfloat16 tensors, not {t.dtype}")
@@ -119,7 +145,9 @@ class ShmAllReduce:
             raise ValueError(f"ShmAllReduce sums contiguous CPU tensors, not one on {t.device} of strides {t.stride()}")
         if self._unusable is not None:
             raise RuntimeError(f"ShmAllReduce: {self._unusable}")
-        status = self._kernel(self._group_ref, t.data_ptr(), t.numel(), code)
+        return code
+
+    def _check(self, status: int) -> None:
         if status:
             failed = self._group.round
             missing = [r for r in range(self.world_size) if self._seen[r] < failed]

@@ -27,10 +27,10 @@ import zmq
 
 from slotserve.config import EngineConfig, parse_device, parse_dtype
 from slotserve.distributed.group import ModelParallel
-from slotserve.distributed.process_groups import init_rank_group, leave_rank_group
+from slotserve.distributed.process_groups import init_rank_group, lanes, leave_rank_group
 from slotserve.engine import faults
 from slotserve.engine.faults import FaultPoint
-from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
+from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, UbatchPolicy
 from slotserve.layers.quantization import quantize_int8
 from slotserve.models.loader import load_model
 from slotserve.parallel.cpu import apply_cpu_settings
@@ -156,7 +156,8 @@ class Worker:
             device = torch.device("cuda", spec.rank % torch.cuda.device_count())
             torch.cuda.set_device(device)
         torch.manual_seed(config.seed)
-        self.group = init_rank_group(spec.rank, spec.world_size, spec.init_method, device, config.distributed_timeout)
+        self.group = init_rank_group(spec.rank, spec.world_size, spec.init_method, device, config.distributed_timeout,
+                                     lanes=lanes(config))
         parallel = ModelParallel(self.group, config.enable_expert_parallel, config.expert_comm)
         self.model, self.model_config = load_model(spec.model_path, parse_dtype(config.dtype, device), device,
                                                    config.max_model_len, parallel)
@@ -170,7 +171,8 @@ class Worker:
             if isinstance(message, Shutdown):
                 return
             if isinstance(message, AllocateCache):
-                self.runner = ModelRunner(self.model, self.model_config, message.num_blocks, self.config.block_size)
+                self.runner = ModelRunner(self.model, self.model_config, message.num_blocks, self.config.block_size,
+                                          ubatching=UbatchPolicy.of(self.config))
                 self.report("ready")
                 continue
             faults.check(FaultPoint.WORKER_STEP)

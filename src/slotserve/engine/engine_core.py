@@ -17,9 +17,9 @@ from slotserve import host_memory
 from slotserve.config import EngineConfig, ModelConfig, parse_device, parse_dtype
 from slotserve.distributed.executor import Executor, start_executor
 from slotserve.distributed.group import UNSPLIT, ModelParallel
-from slotserve.distributed.process_groups import init_rank_group, leave_rank_group
+from slotserve.distributed.process_groups import init_rank_group, lanes, leave_rank_group
 from slotserve.distributed.worker import rank_cpu_settings
-from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, SeqResult, Want
+from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, SeqResult, UbatchPolicy, Want
 from slotserve.engine.request import EngineCoreOutput, EngineCoreRequest, Request
 from slotserve.engine.scheduler import Scheduler
 from slotserve.kv_cache.manager import KVCacheManager
@@ -65,7 +65,7 @@ class EngineCore:
             self.workers = start_executor(config, model_path)
             try:
                 group = init_rank_group(0, tp, self.workers.init_method, self.device, config.distributed_timeout,
-                                        check=self.workers.check)
+                                        check=self.workers.check, lanes=lanes(config))
             except Exception:
                 self.workers.shutdown()
                 raise
@@ -100,7 +100,7 @@ class EngineCore:
         if self.workers is not None:
             self.workers.wait_for("loaded")
             self.workers.allocate_cache(num_blocks)
-        self.runner = ModelRunner(self.model, cfg, num_blocks, config.block_size)
+        self.runner = ModelRunner(self.model, cfg, num_blocks, config.block_size, ubatching=UbatchPolicy.of(config))
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()

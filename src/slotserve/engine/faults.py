@@ -19,6 +19,8 @@ class FaultPoint(enum.Enum):
     FRONTEND_EVENTS = "frontend-events"  # the front end's receiver, before each event
     WORKER_STEP = "worker-step"  # a worker rank (tensor parallel), before each step: it raises
     WORKER_HANG = "worker-hang"  # a worker rank, before each step: it stops answering
+    UBATCH_RAISE = "ubatch-raise"  # a micro-batch, at each collective it waits on: it raises, the collective in flight
+    UBATCH_STALL = "ubatch-stall"  # a micro-batch thread, before the barrier: it never arrives (until the step fails)
 
 
 class InjectedFault(RuntimeError):

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import enum
 import itertools
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from slotserve import host_memory
-from slotserve.config import ModelConfig
+from slotserve.config import EngineConfig, ModelConfig
 from slotserve.distributed.group import UNSPLIT
+from slotserve.engine import faults
+from slotserve.engine.faults import FaultPoint
 from slotserve.kernels import norm_rotary_swiglu_argmax, small_gemm
 from slotserve.kv_cache.block_table import cache_indices
 from slotserve.layers.attention import (
@@ -25,6 +28,10 @@ from slotserve.layers.attention import (
 from slotserve.layers.sampler import greedy
 from slotserve.models.fused_decode import MAX_TOKENS, FusedDecode
 from slotserve.models.packing import pack_linears
+from slotserve.parallel import ubatch
+from slotserve.parallel.ubatch import run_ubatches
+
+logger = logging.getLogger("slotserve")
 
 
 class Want(enum.Enum):
@@ -62,14 +69,73 @@ class SeqResult:
     hidden: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class UbatchPolicy:
+    """Micro-batch overlap (parallel/ubatch.py): a step of at least the threshold's tokens runs as `count`
+    micro-batches; `count` 1: never."""
+
+    count: int = 1
+    decode_threshold: int = 32  # for steps whose every sequence computes one token
+    prefill_threshold: int = 512  # for the others
+    timeout_s: float = 120.0  # for each wait of a micro-batch
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> UbatchPolicy:
+        return cls(config.ubatches, config.ubatch_decode_threshold, config.ubatch_prefill_threshold,
+                   config.distributed_timeout)
+
+    def count_for(self, seqs: list[ScheduledSeq]) -> int:
+        """How many micro-batches this step would run as (1: not split)."""
+        tokens = sum(len(s.token_ids) for s in seqs)
+        threshold = self.decode_threshold if all(len(s.token_ids) == 1 for s in seqs) else self.prefill_threshold
+        return self.count if self.count > 1 and tokens >= max(threshold, self.count) else 1
+
+
+def split_tokens(seqs: list[ScheduledSeq], n: int) -> list[list[ScheduledSeq]]:
+    """The step's tokens in `n` consecutive parts of near-equal size (the first `tokens % n` one longer). A
+    sequence across a boundary is cut into pieces: each computes its tokens at their positions (a later one
+    attends to the earlier one's keys, which its micro-batch wrote first), and only the last keeps a want of
+    one row (LAST, GREEDY, HIDDEN); every piece of a Want.ALL wants its rows."""
+    total = sum(len(s.token_ids) for s in seqs)
+    sizes = [total // n + (i < total % n) for i in range(n)]
+    parts: list[list[ScheduledSeq]] = [[] for _ in range(n)]
+    part, room = 0, sizes[0]
+    for seq in seqs:
+        done = 0
+        while done < len(seq.token_ids):
+            if not room:
+                part += 1
+                room = sizes[part]
+            take = min(room, len(seq.token_ids) - done)
+            last = done + take == len(seq.token_ids)
+            want = seq.want if last or seq.want is Want.ALL else Want.NONE
+            parts[part].append(replace(seq, token_ids=seq.token_ids[done:done + take], start_pos=seq.start_pos + done,
+                                       want=want))
+            done += take
+            room -= take
+    return parts
+
+
+@dataclass
+class FlatBatch:
+    """One forward's inputs: the sequences' new tokens side by side, and which rows leave the model."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    keep: torch.Tensor | None  # the rows whose final hidden state is needed; None: all
+
+
 class ModelRunner:
     """Owns the model and its paged KV cache; stateless across steps beyond the cache contents."""
 
     def __init__(self, model: nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 decode_mode: str | None = None) -> None:
+                 decode_mode: str | None = None, ubatching: UbatchPolicy | None = None) -> None:
         """decode_mode: how decode rows read the cache (layers/attention.py); None: "paged" where the CPU
-        kernel runs, else "batched"."""
+        kernel runs, else "batched". ubatching: which steps run as micro-batches (under tensor parallel)."""
         self.model, self.cfg = model, cfg
+        self.ubatching = ubatching or UbatchPolicy()
+        self.overlap = True  # this rank's vote on splitting steps; a benchmark switches it off to compare
         self.block_size, self.num_blocks = block_size, num_blocks
         self.workspace = GatherWorkspace()
         param = next(model.parameters())
@@ -91,6 +157,7 @@ class ModelRunner:
         # Decode steps of a dense Qwen model through one native call (models/fused_decode.py), where it runs:
         # not under tensor parallel, whose collectives sit between the layers.
         parallel = getattr(model, "parallel", UNSPLIT)
+        self.group = parallel.group
         self._fuses = self.decode_mode == "paged" and cpu_fp32 and parallel.group.size == 1
         self.rebind()
 
@@ -140,42 +207,76 @@ class ModelRunner:
                 out.append(SeqResult(hidden=step.hidden[i:i + 1].clone()) if want is Want.HIDDEN else SeqResult())
         return out
 
-    @torch.inference_mode()
     def _forward(self, seqs: list[ScheduledSeq]) -> list[SeqResult]:
-        """`execute` layer by layer."""
-        input_ids, positions, indices, rows = [], [], [], []
+        """`execute` layer by layer, as one batch or as micro-batches."""
+        rows = [_wanted_rows(seq) for seq in seqs]  # of each sequence's new tokens, those leaving the model
+        n = self._micro_batches(seqs)
+        if n == 1:
+            hidden = self._run(self._flatten(seqs))
+        else:
+            pieces = split_tokens(seqs, n)
+            parts = run_ubatches(lambda i: self._prepare(pieces[i]), lambda _i, batch: self._run(batch), n,
+                                 self.ubatching.timeout_s, self.group.rank)
+            hidden = torch.cat(parts)  # each piece's rows in order: those of the whole step
+        return self._results(seqs, rows, hidden)
+
+    def _micro_batches(self, seqs: list[ScheduledSeq]) -> int:
+        """How many micro-batches the ranks agree to run this step as: all must want it (one small vote, which
+        also checks that every rank runs a step of as many tokens)."""
+        if self.ubatching.count == 1:
+            return 1
+        n = self.ubatching.count_for(seqs) if self.overlap else 1
+        tokens = sum(len(s.token_ids) for s in seqs)
+        yes, total = self.group.sum_over_ranks([int(n > 1), tokens])
+        if total != tokens * self.group.size:
+            raise RuntimeError(f"rank {self.group.rank}: the ranks' steps differ ({tokens} tokens here, "
+                               f"{total} over {self.group.size} ranks)")
+        return self.ubatching.count if yes == self.group.size else 1
+
+    def _prepare(self, seqs: list[ScheduledSeq]) -> FlatBatch:
+        """A micro-batch's batch, built on its thread before the start."""
+        if faults.fires(FaultPoint.UBATCH_STALL):  # a test's: a micro-batch that does not come
+            logger.error("a micro-batch thread stalls on purpose (%s)", faults.FAULT_ENV)
+            ubatch.current().aborted.wait(2 * self.ubatching.timeout_s)
+        return self._flatten(seqs)
+
+    def _flatten(self, seqs: list[ScheduledSeq]) -> FlatBatch:
+        input_ids, positions, indices, needed = [], [], [], []
         for seq in seqs:
-            n, end = len(seq.token_ids), seq.start_pos + len(seq.token_ids)
+            end = seq.start_pos + len(seq.token_ids)
             indices.extend(cache_indices(seq.block_table, seq.start_pos, end, self.block_size))
-            base = len(input_ids)
+            needed.extend(len(input_ids) + r for r in _wanted_rows(seq))
             input_ids.extend(seq.token_ids)
             positions.extend(range(seq.start_pos, end))
-            if seq.want in (Want.LAST, Want.GREEDY, Want.HIDDEN):
-                rows.append(range(base + n - 1, base + n))
-            elif seq.want is Want.ALL:
-                rows.append(range(base, base + n))
-            else:
-                rows.append(range(0))
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         meta = AttentionMetadata.build(
             query_lens=[len(s.token_ids) for s in seqs],
             seq_lens=[s.start_pos + len(s.token_ids) for s in seqs],
-            cache_indices=as_tensor(indices),
+            cache_indices=self._tensor(indices),
             block_tables=[s.block_table for s in seqs],
             block_size=self.block_size,
             decode_mode=self.decode_mode,
             gather_limit=self.gather_limit,
-            workspace=self.workspace,
+            workspace=self.workspace,  # shared by micro-batches: one computes at a time, none yields in attention
         )
-        # Only the rows asked for leave the model (row j of `hidden` is token needed[j]).
-        needed = [i for r in rows for i in r]
-        keep = as_tensor(needed) if len(needed) < len(input_ids) else None
-        hidden = self.model(as_tensor(input_ids), as_tensor(positions), meta, keep)
+        # Only the rows asked for leave the model (row j of its output is token needed[j]).
+        keep = self._tensor(needed) if len(needed) < len(input_ids) else None
+        return FlatBatch(self._tensor(input_ids), self._tensor(positions), meta, keep)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def _run(self, batch: FlatBatch) -> torch.Tensor:
+        return self.model(batch.input_ids, batch.positions, batch.meta, batch.keep)
+
+    @torch.inference_mode()
+    def _results(self, seqs: list[ScheduledSeq], rows: list[range], hidden: torch.Tensor) -> list[SeqResult]:
+        """Per sequence what it wants, from the final hidden states of its `rows`."""
         starts = list(itertools.accumulate((len(r) for r in rows), initial=0))[:-1]  # of each row range in needed
         wanted = [j for seq, start, r in zip(seqs, starts, rows, strict=True) if seq.want is not Want.HIDDEN
                   for j in range(start, start + len(r))]
         # wanted: increasing rows of hidden, so as many as it has are all of them, in order.
-        chosen = hidden if len(wanted) == len(hidden) else hidden[as_tensor(wanted)]
+        chosen = hidden if len(wanted) == len(hidden) else hidden[self._tensor(wanted)]
         logits = self.model.compute_logits(chosen) if wanted else None
         if wanted and logits is None:  # a worker rank: the driver has the logits
             return []
@@ -192,3 +293,11 @@ class ModelRunner:
             for i, token in zip(picks, greedy(torch.cat([out[i].logits for i in picks])).tolist(), strict=True):
                 out[i] = SeqResult(token=token)
         return out
+
+
+def _wanted_rows(seq: ScheduledSeq) -> range:
+    """Which of a sequence's new tokens leave the model for what it wants."""
+    n = len(seq.token_ids)
+    if seq.want in (Want.LAST, Want.GREEDY, Want.HIDDEN):
+        return range(n - 1, n)
+    return range(n) if seq.want is Want.ALL else range(0)

@@ -52,6 +52,13 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_options: bool = True) -> Non
                         "of a Ray cluster (RAY_ADDRESS; pip install 'slotserve[ray]')")
     g.add_argument("--distributed-timeout", type=float, default=120.0,
                    help="seconds a collective or a worker may take before the engine gives up (default 120)")
+    g.add_argument("--ubatches", type=int, default=1,
+                   help="micro-batch overlap: run a large step as N micro-batches, one computing while another's "
+                        "collectives travel (N >= 2; default 1: off)")
+    g.add_argument("--ubatch-decode-threshold", type=int, default=32,
+                   help="decode-only steps of fewer tokens are not split (default 32)")
+    g.add_argument("--ubatch-prefill-threshold", type=int, default=512,
+                   help="other steps of fewer tokens are not split (default 512)")
     if cpu_options:
         g = p.add_argument_group("CPU")
         g.add_argument("--threads", type=int, default=None,
@@ -186,7 +193,9 @@ def engine_config(args: argparse.Namespace):
                         tensor_parallel_size=args.tensor_parallel_size,
                         enable_expert_parallel=args.enable_expert_parallel, expert_comm=args.expert_comm,
                         distributed_executor_backend=args.distributed_executor_backend,
-                        distributed_timeout=args.distributed_timeout)
+                        distributed_timeout=args.distributed_timeout, ubatches=args.ubatches,
+                        ubatch_decode_threshold=args.ubatch_decode_threshold,
+                        ubatch_prefill_threshold=args.ubatch_prefill_threshold)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -2,8 +2,9 @@
    a slot each (distributed/shm_all_reduce.py creates the segment and describes the protocol).
 
    Segment layout, for `world` ranks and slots of `stride` bytes:
-     [0, data)   flag r, an int64 at r * FLAG_STRIDE: the last round rank r has written (data: the
-                 flags' bytes rounded up to a page)
+     [0, data)   flag r, an int64 at r * FLAG_STRIDE: the last round rank r has written; beside it its
+                 pid and, per buffer set, when it published its round there (data: the flags' bytes
+                 rounded up to a page)
      [data, data + 2 * world * stride)   two sets of `world` slots; round k uses set k % 2
 
    A round: copy this rank's part into its slot of the round's set, publish the round number in its flag
@@ -68,6 +69,13 @@ static char *slot(void *segment, int world, long stride, int64_t round, int r) {
 /* The pid of rank r's process, which it wrote beside its flag. */
 static int64_t *pid_of(void *segment, int r) {
     return (int64_t *)((char *)segment + (long)r * FLAG_STRIDE + sizeof(int64_t));
+}
+
+/* When rank r published its last round of set `round % 2` (CLOCK_MONOTONIC seconds): the round's
+   communication ended when its last rank published. A rank writes set k % 2 again only after every rank
+   has arrived at round k + 1, so after each has read these times of round k. */
+static double *published_at(void *segment, int r, int64_t round) {
+    return (double *)((char *)segment + (long)r * FLAG_STRIDE + (2 + round % 2) * sizeof(int64_t));
 }
 
 /* Whether a process runs: it has a /proc entry and is not a zombie (a child no one has reaped yet). */
@@ -168,12 +176,18 @@ struct shm_all_reduce {
     int gone;         /* where a round failed because a rank's process is gone: that rank */
 };
 
-static int round_trip(struct shm_all_reduce *g, char *data, long n, int dtype) {
+/* The first half of a round: this rank's n elements into its slot of the next round, published. */
+static void publish(struct shm_all_reduce *g, const char *data, long n, int dtype) {
     const int64_t round = ++g->round;
-    const double deadline = now() + g->timeout_s;
     memcpy(slot(g->segment, g->world, g->stride, round, g->rank), data, n * (dtype == BF16 ? 2 : 4));
+    *published_at(g->segment, g->rank, round) = now();
     atomic_store_explicit(flag(g->segment, g->rank), round, memory_order_release);
-    const int arrived = wait_all(g->segment, g->world, round, deadline, g->seen, &g->gone);
+}
+
+/* The second half: waits for every rank's part of the round this rank published last, sums them into data. */
+static int collect(struct shm_all_reduce *g, char *data, long n, int dtype) {
+    const int64_t round = g->round;
+    const int arrived = wait_all(g->segment, g->world, round, now() + g->timeout_s, g->seen, &g->gone);
     if (arrived != 1) return arrived ? 2 : 1;
     if (dtype == BF16)
         sum_bf16(g->segment, g->world, g->stride, round, (uint16_t *)data, n);
@@ -189,8 +203,33 @@ int slotserve_shm_all_reduce(struct shm_all_reduce *g, void *data, long n, int d
     const int size = dtype == BF16 ? 2 : 4;
     const long chunk = g->capacity / size;
     for (long start = 0; start < n; start += chunk) {
-        const int status = round_trip(g, (char *)data + start * size, n - start < chunk ? n - start : chunk, dtype);
+        const long m = n - start < chunk ? n - start : chunk;
+        publish(g, (char *)data + start * size, m, dtype);
+        const int status = collect(g, (char *)data + start * size, m, dtype);
         if (status) return status;
     }
+    return 0;
+}
+
+/* A round in two calls, so that the caller computes between them (micro-batch overlap): publish data[0..n)
+   (n elements of at most capacity bytes), then, later, collect the sum into the same memory (0, 1, 2 as
+   above). Between the two, no other round of this group may start. */
+int slotserve_shm_publish(struct shm_all_reduce *g, void *data, long n, int dtype) {
+    publish(g, (const char *)data, n, dtype);
+    return 0;
+}
+
+int slotserve_shm_collect(struct shm_all_reduce *g, void *data, long n, int dtype) {
+    return collect(g, (char *)data, n, dtype);
+}
+
+/* When the last rank published the round this rank published last (CLOCK_MONOTONIC seconds), once collected. */
+int slotserve_shm_completed_at(struct shm_all_reduce *g, double *out) {
+    double last = 0;
+    for (int r = 0; r < g->world; r++) {
+        const double t = *published_at(g->segment, r, g->round);
+        if (t > last) last = t;
+    }
+    *out = last;
     return 0;
 }
