@@ -33,6 +33,7 @@ from slotserve.engine.faults import FaultPoint
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, UbatchPolicy
 from slotserve.layers.quantization import quantize_int8
 from slotserve.models.loader import load_model
+from slotserve.parallel import timeline
 from slotserve.parallel.cpu import apply_cpu_settings
 from slotserve.parallel.threadpool import default_threads
 
@@ -130,6 +131,7 @@ class Worker:
         self.errors.connect(spec.errors)
         self.group = None
         self.runner: ModelRunner | None = None
+        self.timeline_path = timeline.record_from_env(spec.rank)  # a benchmark's
 
     def report(self, kind: str, message: str = "") -> None:
         data = encode(Report(self.spec.rank, kind, message))
@@ -188,6 +190,8 @@ class Worker:
             time.sleep(0.1)
 
     def close(self) -> None:
+        if self.timeline_path is not None:
+            timeline.active().save(self.timeline_path)
         if self.group is not None:
             leave_rank_group(self.group)
         self.channel.close()
