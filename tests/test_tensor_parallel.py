@@ -42,7 +42,7 @@ def make_engine(path: str, blocks: int, **kwargs) -> LLMEngine:
     tp = kwargs.get("tensor_parallel_size", 1)
     per_token = ModelRunner.cache_bytes_per_token(ModelConfig.from_dir(path), torch.float32, tp)
     return LLMEngine(EngineConfig(model=path, block_size=BLOCK, kv_cache_memory=blocks * BLOCK * per_token,
-                                  distributed_timeout=60, **kwargs))
+                                  **{"distributed_timeout": 60, **kwargs}))
 
 
 def run(engine: LLMEngine, prompts) -> dict[str, list[int]]:

@@ -27,8 +27,10 @@ import zmq
 
 from slotserve.config import EngineConfig, ExecutorBackend
 from slotserve.distributed.process_groups import free_port
+from slotserve.distributed.shm_all_reduce import CollectiveTimeoutError, RankGoneError
 from slotserve.distributed.worker import AllocateCache, Shutdown, Step, WorkerSpec, decode_report, encode
 from slotserve.engine.model_runner import ScheduledSeq
+from slotserve.parallel.ubatch import UbatchError
 
 logger = logging.getLogger("slotserve")
 
@@ -141,9 +143,13 @@ class Executor(ABC):
         reasons = self._failures or gone
         return "; ".join(reasons) if reasons else None
 
-    def explain(self, error: Exception) -> WorkerError:
+    def explain(self, error: Exception) -> Exception:
         """The error a failed collective or send becomes: a worker's own report where one arrives within a
-        second, else which are gone, else the collective's error (a worker that stopped answering)."""
+        second, else which are gone, else the collective's error (a worker that stopped answering), or the
+        micro-batch's error, which names this rank and the cause: at once where that cause is its own (it raised,
+        stalled, timed out waiting for its turn) rather than a collective that failed."""
+        if isinstance(error, UbatchError) and not _collective_failure(error.__cause__):
+            return error
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:
             if self.channel.poll(int(_POLL_S * 1000)):
@@ -152,6 +158,8 @@ class Executor(ABC):
                     return WorkerError(report.message)
             elif gone := self.exited():
                 return WorkerError("; ".join(gone))
+        if isinstance(error, UbatchError):
+            return error
         return WorkerError(f"a collective failed and no worker said why (one may hang): {error}")
 
     def shutdown(self) -> None:
@@ -214,3 +222,7 @@ def start_executor(config: EngineConfig, model_path: Path) -> Executor:
 def _fields(config: EngineConfig) -> dict:
     return {name: getattr(config, name) for name in config.__dataclass_fields__}
 
+
+def _collective_failure(error: BaseException | None) -> bool:
+    """Whether an error is a collective's: the shared-memory all-reduce's, or gloo's (plain RuntimeErrors)."""
+    return type(error) is RuntimeError or isinstance(error, CollectiveTimeoutError | RankGoneError)

@@ -216,14 +216,17 @@ class EngineCore:
 
     def execute(self, seqs: list[ScheduledSeq]) -> list[SeqResult]:
         """One forward pass over these sequences on every rank (`ModelRunner.execute`); a failed collective
-        becomes the WorkerError that says which rank failed."""
+        becomes the WorkerError that says which rank failed (a failed micro-batch here: its UbatchError)."""
         if self.workers is None:
             return self.runner.execute(seqs)
         self.workers.send_step(seqs)
         try:
             return self.runner.execute(seqs)
-        except RuntimeError as e:  # a collective failed: a worker died or stopped answering
-            raise self.workers.explain(e) from e
+        except RuntimeError as e:  # a collective failed (a worker died or stopped answering), or a micro-batch
+            explained = self.workers.explain(e)
+            if explained is e:
+                raise
+            raise explained from e
 
     def worker_failure(self) -> str | None:
         """Why the model's other ranks can no longer run (one is gone); None while they can, or with none."""
