@@ -104,3 +104,42 @@ def test_sigkill_of_the_engine_leaves_no_worker(tiny_qwen3):
         assert srv.wait_exit(timeout=30) == 1
     finally:
         srv.stop()
+
+
+UBATCHES = ("-tp", "2", "--ubatches", "2", "--ubatch-decode-threshold", "2", "--ubatch-prefill-threshold", "2")
+
+
+def test_a_server_with_micro_batches_answers_as_the_single_process_engine(tiny_qwen3):
+    """Thresholds of 2 tokens: every prefill and every decode step of 2+ streams runs as two micro-batches."""
+    with LLM(model=str(tiny_qwen3), kv_cache_memory=16 << 20) as llm:
+        want = [o.outputs[0].text for o in llm.generate(
+            PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)]
+    srv = Server(tiny_qwen3, *UBATCHES)
+    try:
+        got = srv.client().completions.create(model=MODEL, prompt=PROMPTS, max_tokens=24, temperature=0,
+                                              extra_body={"ignore_eos": True})
+        assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == want
+    finally:
+        workers = srv.worker_pids()
+        assert srv.stop() == 0
+        _wait_gone(workers, 10)
+
+
+@pytest.mark.slow
+def test_a_micro_batch_that_raises_ends_the_engine_with_the_reason(tiny_qwen3):
+    srv = Server(tiny_qwen3, *UBATCHES, "--engine-death-exit-delay", "2", "--distributed-timeout", "3",
+                 env=fault_spec(FaultPoint.UBATCH_RAISE, 400))
+    try:
+        workers = srv.worker_pids()
+        streams = [srv.sse("/v1/completions", {"prompt": f"p{i}", "stream": True, **LONG}) for i in range(3)]
+        firsts = [next(events) for events in streams]  # all three running: decode steps of 3 tokens split
+        for first, events in zip(firsts, streams, strict=True):
+            tail = [first, *events]
+            assert tail[-1] == "[DONE]" and "error" in tail[-2], tail[-3:]
+        message = tail[-2]["error"]["message"]
+        assert "micro-batch" in message and "InjectedFault" in message, message
+        _health_turns_503(srv, 5)
+        assert srv.wait_exit(timeout=30) == 1
+        _wait_gone(workers, 10)
+    finally:
+        srv.stop()
