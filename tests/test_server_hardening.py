@@ -253,7 +253,8 @@ def test_a_disconnect_aborts_every_sequence_it_started(server):
 
 # ---- the engine dies -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("point", [p for p in FaultPoint if p not in (FaultPoint.WORKER_STEP, FaultPoint.WORKER_HANG)])
+# The threads of a single-process engine; the worker ranks' and micro-batches' points have tests of their own.
+@pytest.mark.parametrize("point", [FaultPoint.CORE_STEP, FaultPoint.OUTPUT, FaultPoint.IPC, FaultPoint.FRONTEND_EVENTS])
 def test_a_failure_in_any_thread_ends_the_engine_cleanly(tiny_qwen3, point):
     """Each thread in turn raises: in-flight requests end with an error (a stream with an error event and
     [DONE]), /health turns 503, and the server exits with code 1 for a supervisor to restart."""
