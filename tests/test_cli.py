@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -174,3 +175,25 @@ def test_the_read_rate_pass_reads_every_float_once(threads):
         values = torch.arange(n, dtype=torch.float32) % 7
         assert read(values.data_ptr(), n, threads, ctypes.byref(total)) == 0
         assert total.value == float(values.sum()), n
+
+
+def test_bench_ubatch_prints_both_sections_and_writes_the_traces(tiny_qwen3, tmp_path):
+    trace = tmp_path / "t.json"
+    result = run("bench", "ubatch", "-m", str(tiny_qwen3), "--kv-cache-memory", "8M", "--input-len", "16",
+                 "--prefill-batch", "2", "--decode-batch", "3", "--decode-context", "8", "--repeats", "1",
+                 "--latency-ms", "1", "--trace", str(trace))
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    for section in ("real", "injected_latency"):
+        for kind in ("prefill", "decode"):
+            keys = ("step_ms_no_overlap", "step_ms_overlap", "speedup", "communication_ms_no_overlap",
+                    "communication_ms")
+            assert_figures(figures[section][kind], *keys)
+            shares = [figures[section][kind]["overlap_fraction"], *figures[section][kind]["overlap_fraction_per_rank"]]
+            assert all(0 <= share <= 1 for share in shares), shares
+        events = json.loads(Path(figures[section]["trace"]).read_text())["traceEvents"]
+        assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1}
+        lanes = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+        assert {"ubatch-0", "ubatch-1", "step"} <= lanes
+        assert {e["cat"] for e in events if e["ph"] == "X"} == {"compute", "communication", "step"}
+    assert figures["injected_latency"]["latency_ms"] == 1 and figures["thresholds"] == {"prefill": 32, "decode": 3}

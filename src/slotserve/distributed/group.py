@@ -55,9 +55,11 @@ class Pending(Generic[T]):
     `wait` in a micro-batch (parallel/ubatch.py) first hands the turn on, so that another micro-batch computes
     while these travel, and waits for them once the turn is back."""
 
-    def __init__(self, works: list[Any], finish: Callable[[], T], name: str, group: RankGroup) -> None:
+    def __init__(self, works: list[Any], finish: Callable[[], T], name: str, group: RankGroup,
+                 started: float | None = None) -> None:
+        """started: when the works were launched (time.monotonic()); default now."""
         self._works, self._finish, self._name, self._group = works, finish, name, group
-        self._started = time.monotonic()
+        self._started = time.monotonic() if started is None else started
 
     def wait(self) -> T:
         running = ubatch.current()
@@ -65,7 +67,7 @@ class Pending(Generic[T]):
             faults.check(FaultPoint.UBATCH_RAISE)
             running.yield_turn()
         with self._group.clock:
-            done = max((w.wait() for w in self._works), default=self._started)
+            done = max([self._started, *(w.wait() for w in self._works)])
             if self._group.latency_s:
                 ready = self._started + self._group.latency_s
                 time.sleep(max(0.0, ready - time.monotonic()))
@@ -158,12 +160,13 @@ class RankGroup:
     def launch(self, start: Callable[[], list[Any]], finish: Callable[[], T], name: str) -> Pending[T]:
         """`start()`'s async torch.distributed works (on this group's process groups) as a Pending; on a CUDA
         lane they run on its communication stream, after what the compute stream has queued so far."""
+        started = time.monotonic()
         if self.stream is None:
-            return Pending([_Work(w) for w in start()], finish, name, self)
+            return Pending([_Work(w) for w in start()], finish, name, self, started)
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             works = start()
-        return Pending([_StreamWork(w, self.stream) for w in works], finish, name, self)
+        return Pending([_StreamWork(w, self.stream) for w in works], finish, name, self, started)
 
     def start_all_reduce(self, x: torch.Tensor) -> Pending[torch.Tensor]:
         """The sum over the ranks, in place, started: `.wait()` returns `x`."""
@@ -177,7 +180,9 @@ class RankGroup:
                 with g.clock:
                     fast.all_reduce(buffer)
                 return Pending([], lambda: x if buffer is x else x.copy_(buffer), "all-reduce", g)
-            return Pending([_ShmWork(fast, buffer)], lambda: x if buffer is x else x.copy_(buffer), "all-reduce", g)
+            started = time.monotonic()
+            return Pending([_ShmWork(fast, buffer)], lambda: x if buffer is x else x.copy_(buffer), "all-reduce", g,
+                           started)
         return g.launch(lambda: [dist.all_reduce(x, group=g.device_group, async_op=True)], lambda: x, "all-reduce")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

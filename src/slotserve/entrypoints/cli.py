@@ -256,6 +256,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from slotserve.bench.parallel import run_parallel
 
         result = run_parallel(make_llm, args)
+    elif args.bench == "ubatch":
+        from slotserve.bench.ubatch import run_ubatch
+
+        result = run_ubatch(make_llm, args)
     elif args.bench == "serve":
         from slotserve.bench.serve import run_serve_bench
 
@@ -331,6 +335,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--input-len", type=int, default=256, help="prompt tokens of the prefill, and the decode context")
     b.add_argument("--batch", type=int, default=8, help="decode rows of the batched decode step")
     b.add_argument("--repeats", type=int, default=5, help="timed steps of each kind; the median is reported")
+    add_engine_args(b)
+    b.set_defaults(func=cmd_bench)
+    b = bench.add_parser("ubatch", help="micro-batch overlap: steps with and without it, the communication it hides, "
+                                        "over the real collectives and with an injected latency; a Chrome trace")
+    b.add_argument("--input-len", type=int, default=256, help="prompt tokens per sequence of the prefill step")
+    b.add_argument("--prefill-batch", type=int, default=2, help="sequences of the prefill step (default 2)")
+    b.add_argument("--decode-batch", type=int, default=32, help="rows of the decode step (default 32)")
+    b.add_argument("--decode-context", type=int, default=64, help="tokens of context of each decode row")
+    b.add_argument("--repeats", type=int, default=3, help="timed steps of each kind and mode; the median is reported")
+    b.add_argument("--latency-ms", type=float, default=2.0, help="latency added to each collective in the "
+                                                                 "injected_latency section (default 2)")
+    b.add_argument("--trace", default="ubatch-trace.json",
+                   help="Chrome trace of the real section; the injected one's gets '-injected' before the suffix")
     add_engine_args(b)
     b.set_defaults(func=cmd_bench)
     b = bench.add_parser("embed", help="embeddings per second for a batch of sentences (task embed)")
