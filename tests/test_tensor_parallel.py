@@ -5,6 +5,7 @@ exchange). Every engine here starts real worker processes and stops them."""
 
 from __future__ import annotations
 
+import os
 import random
 import time
 
@@ -141,3 +142,25 @@ def test_a_killed_worker_fails_the_next_step_at_once(models):
         assert time.monotonic() - start < 10  # the timeout is 60 s
     finally:
         engine.shutdown()
+
+
+def _allowed_cores(pid: int | str) -> str:
+    with open(f"/proc/{pid}/status") as f:
+        return next(line.split(":")[1].strip() for line in f if line.startswith("Cpus_allowed_list"))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to give each rank its own")
+@pytest.mark.parametrize("given", [False, True], ids=["all-cores", "cpu-affinity"])
+def test_each_rank_runs_on_its_own_cores_and_the_driver_gets_them_back(models, given):
+    """The workers start before the driver is pinned to rank 0's share, so each takes its own share of the
+    host's cores (or of the given `cpu_affinity`); at shutdown the driver may use all of them again."""
+    host = _allowed_cores("self")
+    cores = {"cpu_affinity": tuple(sorted(os.sched_getaffinity(0))[:2])} if given else {}
+    engine = make_engine(models["qwen3"], blocks=16, tensor_parallel_size=2, **cores)
+    try:
+        (worker,) = engine.core.workers.processes.values()
+        driver, rank1 = _allowed_cores("self"), _allowed_cores(worker.pid)
+        assert driver != rank1 and driver != host and rank1 != host
+    finally:
+        engine.shutdown()
+    assert _allowed_cores("self") == host

@@ -7,6 +7,7 @@ loop that drives the model never waits on them (in the server they run in anothe
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ from slotserve.layers.sampler import Sampler, SamplingState, prompt_logprobs
 from slotserve.models.loader import available_memory, load_model
 from slotserve.models.pooling import PoolingConfig, load_pooling_config, resolve_task
 from slotserve.outputs import PositionLogprobs
-from slotserve.parallel.cpu import apply_cpu_settings
+from slotserve.parallel.cpu import CpuSettings, apply_cpu_settings, restrict_process
 
 logger = logging.getLogger("slotserve")
 
@@ -55,22 +56,22 @@ class EngineCore:
         self.dtype = parse_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         tp = config.tensor_parallel_size
-        # Before loading: conversion uses the pool. Under tensor parallel, rank 0's share of the cores.
-        threads, cores = rank_cpu_settings(config, 0) if tp > 1 else (config.threads, config.cpu_affinity)
-        self.cpu = apply_cpu_settings(threads, cores)
+        self.host_cores = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
+        self.cpu: CpuSettings | None = None
         self.workers: Executor | None = None
         self.parallel = UNSPLIT
         if tp > 1:
             check_split(ModelConfig.from_dir(model_path), config)
+            # Started before this process is pinned, so each worker inherits all the host's cores to take its share.
             self.workers = start_executor(config, model_path)
-            try:
+        try:
+            # Before loading: conversion uses the pool. Under tensor parallel, rank 0's share of the cores.
+            threads, cores = rank_cpu_settings(config, 0) if tp > 1 else (config.threads, config.cpu_affinity)
+            self.cpu = apply_cpu_settings(threads, cores)
+            if self.workers is not None:
                 group = init_rank_group(0, tp, self.workers.init_method, self.device, config.distributed_timeout,
                                         check=self.workers.check, lanes=lanes(config))
-            except Exception:
-                self.workers.shutdown()
-                raise
-            self.parallel = ModelParallel(group, config.enable_expert_parallel, config.expert_comm)
-        try:
+                self.parallel = ModelParallel(group, config.enable_expert_parallel, config.expert_comm)
             self._load(config, model_path, tokenizer_eos_id, start)
         except Exception:
             self.shutdown()
@@ -235,7 +236,9 @@ class EngineCore:
     def shutdown(self, kill: bool = False) -> None:
         """Stops the model's other ranks and leaves their process group; with `kill`, for an engine that is
         dying, ends them at once and leaves the group as it is (a thread may still be in a collective).
-        Idempotent; nothing to do for a model on one rank."""
+        Idempotent. This process may use all the cores it could before the engine pinned it again."""
+        if self.cpu is not None and self.cpu.cpu_affinity and self.host_cores:
+            restrict_process(self.host_cores)
         if self.workers is None:
             return
         if kill:
