@@ -22,11 +22,12 @@ def assert_figures(figures: Mapping[str, Any], *keys: str) -> None:
         assert math.isfinite(value) and value > 0, f"{key}: {value!r} is not a finite figure > 0"
 
 
-def run_to_completion(engine: Any, prompts: Sequence[list[int]], params: Any) -> dict[str, list[int]]:
-    """Adds the prompts as requests r0, r1, ... to an `LLMEngine`, steps it until all finish, checks that every KV
-    block is back in the pool; each request's token ids."""
+def run_to_completion(engine: Any, prompts: Sequence[list[int]], params: Any,
+                      images: Sequence[Sequence[Any]] | None = None) -> dict[str, list[int]]:
+    """Adds the prompts (with their `images`, where given) as requests r0, r1, ... to an `LLMEngine`, steps it
+    until all finish, checks that every KV block is back in the pool; each request's token ids."""
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
+        engine.add_request(f"r{i}", prompt, params, *([images[i]] if images is not None else []))
     done: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -58,6 +58,17 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class VisionLanguageConfig:
+    """What a vision-language checkpoint (Qwen3-VL) adds to its text model's config."""
+
+    vision_config: dict[str, Any]  # the vision tower's fields (models/qwen3_vl_vision.py reads them)
+    image_token_id: int  # <|image_pad|>: one per image token of the prompt
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The architecture facts the model code needs, normalised across config.json generations."""
 
@@ -84,12 +95,22 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # Interleaved M-RoPE (Qwen3-VL): how many of the head's head_dim / 2 frequencies take the T, H, W position.
+    mrope_section: tuple[int, ...] = ()
+    vision: VisionLanguageConfig | None = None
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
             raise ConfigError("config.json: 'architectures' is missing or empty")
+        vision = _parse_vision(cfg)
+        if vision is not None:  # a vision-language config: its text model's fields are under `text_config`
+            top = cfg
+            cfg = {**cfg["text_config"], "architectures": archs}
+            for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
+                if key in top:
+                    cfg[key] = top[key]
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -119,6 +140,8 @@ class ModelConfig:
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
                 decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
                 mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+                mrope_section=_parse_mrope(cfg, hidden // heads if cfg.get("head_dim") is None else cfg["head_dim"]),
+                vision=vision,
             )
         except KeyError as e:
             raise ConfigError(f"config.json: required field {e.args[0]!r} is missing") from None
@@ -164,6 +187,30 @@ def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
         attention_factor=params.get("attention_factor"),
         truncate=bool(params.get("truncate", True)),
     )
+
+
+def _parse_vision(cfg: dict[str, Any]) -> VisionLanguageConfig | None:
+    if "vision_config" not in cfg:
+        return None
+    if not isinstance(cfg.get("text_config"), dict) or not isinstance(cfg["vision_config"], dict):
+        raise ConfigError("config.json: a vision-language model needs 'text_config' and 'vision_config' objects")
+    try:
+        return VisionLanguageConfig(dict(cfg["vision_config"]), int(cfg["image_token_id"]),
+                                    int(cfg.get("video_token_id", -1)), int(cfg["vision_start_token_id"]),
+                                    int(cfg["vision_end_token_id"]))
+    except KeyError as e:
+        raise ConfigError(f"config.json: required field {e.args[0]!r} is missing") from None
+
+
+def _parse_mrope(cfg: dict[str, Any], head_dim: int) -> tuple[int, ...]:
+    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    section = tuple(int(n) for n in params.get("mrope_section") or ())
+    if section and (len(section) != 3 or sum(section) != head_dim // 2):
+        raise ConfigError(f"config.json: mrope_section {list(section)} must be 3 numbers summing to head_dim / 2 "
+                          f"({head_dim // 2})")
+    if section and params.get("mrope_interleaved") is False:
+        raise ConfigError("config.json: only interleaved M-RoPE (Qwen3-VL) is supported")
+    return section
 
 
 def _eos_ids(cfg: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:
@@ -217,11 +264,16 @@ class EngineConfig:
     expert_comm: ExpertCommKind = ExpertCommKind.ALL_TO_ALL
     distributed_executor_backend: ExecutorBackend | None = None  # None: mp when tensor_parallel_size > 1
     distributed_timeout: float = 120.0  # seconds any collective or worker reply may take before the engine dies
-    # Micro-batch overlap (engine/ubatching.py): a step of at least the threshold's tokens (decode-only steps,
+    # Micro-batch overlap (parallel/ubatch.py): a step of at least the threshold's tokens (decode-only steps,
     # others) runs as this many micro-batches, one computing while another's collectives travel. 1: off.
     ubatches: int = 1
     ubatch_decode_threshold: int = 32
     ubatch_prefill_threshold: int = 512
+    # Vision-language models (Qwen3-VL): images a prompt may carry, and the pixel budget each is resized
+    # into (None: the model's preprocessor_config.json).
+    limit_mm_per_prompt: int = 4
+    image_min_pixels: int | None = None
+    image_max_pixels: int | None = None
 
     def __post_init__(self) -> None:
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
@@ -232,6 +284,12 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        for name in ("image_min_pixels", "image_max_pixels"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        if not isinstance(self.limit_mm_per_prompt, int) or self.limit_mm_per_prompt < 0:
+            raise ValueError(f"limit_mm_per_prompt: must be a non-negative integer, got {self.limit_mm_per_prompt!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

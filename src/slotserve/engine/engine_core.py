@@ -28,6 +28,7 @@ from slotserve.layers.quantization import quantize_int8
 from slotserve.layers.sampler import Sampler, SamplingState, prompt_logprobs
 from slotserve.models.loader import available_memory, load_model
 from slotserve.models.pooling import PoolingConfig, load_pooling_config, resolve_task
+from slotserve.multimodal.inputs import RequestImages
 from slotserve.outputs import PositionLogprobs
 from slotserve.parallel.cpu import CpuSettings, apply_cpu_settings, restrict_process
 
@@ -117,9 +118,10 @@ class EngineCore:
         if config.tensor_parallel_size > 1:
             split = (f", tensor parallel {config.tensor_parallel_size} ({config.distributed_executor_backend.value})"
                      + (f", expert parallel ({config.expert_comm.value})" if config.enable_expert_parallel else ""))
+        on = f" on cores {','.join(map(str, cores))}" if cores else ""
         return (f"{self.model_config.architecture}, {self.device}, {str(self.dtype).removeprefix('torch.')}, "
-                f"{self.cpu.threads} threads" + (f" on cores {','.join(map(str, cores))}" if cores else "")
-                + (" per rank" if split else "") + split)
+                + (f"{self.cpu.threads} threads per rank" + (f", rank 0{on}" if on else "") if split
+                   else f"{self.cpu.threads} threads{on}") + split)
 
     def _setup(self, num_blocks: int) -> list[str]:
         """The load line's parts on the KV cache and the kernels each step runs."""
@@ -155,9 +157,36 @@ class EngineCore:
                                      self.vocab_size, self.device)
         req = Request(request.request_id, request.prompt_token_ids, request.params, sampling, request.max_tokens,
                       prompt_logprobs=[] if request.params.prompt_logprobs is not None else None,
-                      pooling=request.pooling)
+                      pooling=request.pooling, images=self._images(request))
         self.requests[req.request_id] = req
         self.scheduler.add(req)
+
+    def _images(self, request: EngineCoreRequest) -> RequestImages | None:
+        """The request's images in its slot; ValueError where the model takes none or they do not fit."""
+        if not request.images and self.model_config.vision is None:
+            return None
+        if request.images and self.model_config.vision is None:
+            raise ValueError(f"images: {self.model_config.architecture} is a text model; it takes no images")
+        prompt = len(request.prompt_token_ids)
+        for image in request.images:
+            if not 0 <= image.offset < image.end <= prompt:
+                raise ValueError(f"images: tokens {image.offset}..{image.end} lie outside the prompt of {prompt}")
+        return RequestImages.of(request.images, prompt, self.model.spatial_merge_size)
+
+    def _encode_images(self, plan: list[tuple[Request, int]]) -> None:
+        """Runs the vision tower, in one call, over the images this step's chunks reach that are not encoded yet."""
+        todo = [(req.images, i) for req, num_new in plan if req.images is not None
+                for i in req.images.unencoded(req.num_computed_tokens, req.num_computed_tokens + num_new)]
+        if not todo:
+            return
+        inputs = [images.inputs[i] for images, i in todo]
+        encoded = self.model.encode_images([image.pixel_values() for image in inputs],
+                                           [image.grid_thw for image in inputs])
+        for (images, i), image, out in zip(todo, inputs, encoded, strict=True):
+            if len(out.embeds) != image.num_tokens:
+                raise ValueError(f"images: an image of grid {image.grid_thw} gives {len(out.embeds)} tokens, its "
+                                 f"prompt holds {image.num_tokens}")
+            images.encoded[i] = out
 
     def abort_requests(self, request_ids: list[str], reason: str = "abort") -> None:
         """Finishes these requests in whatever state they are (unknown ids are ignored) and frees
@@ -185,6 +214,7 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
+        self._encode_images(plan.scheduled)
         seqs = []
         for req, num_new in plan.scheduled:
             start = req.num_computed_tokens
@@ -192,8 +222,9 @@ class EngineCore:
             scores_prompt = req.prompt_logprobs is not None and len(req.prompt_logprobs) < len(req.prompt_token_ids)
             want = (Want.HIDDEN if req.pooling else Want.ALL if scores_prompt
                     else Want.GREEDY if req.sampling.takes_argmax() else Want.LAST)
+            vision = req.images.vision(start, start + num_new) if req.images is not None else None
             seqs.append(ScheduledSeq(req.token_ids(start, start + num_new), start, req.block_table,
-                                     want=want if last_chunk or scores_prompt else Want.NONE))
+                                     want=want if last_chunk or scores_prompt else Want.NONE, vision=vision))
         results = self.execute(seqs)
         outputs, sampling = [], []
         for (req, num_new), seq, result in zip(plan.scheduled, seqs, results, strict=True):
@@ -294,6 +325,8 @@ def check_split(cfg: ModelConfig, config: EngineConfig) -> None:
     """ValueError, naming the setting, where the model does not split over the ranks asked for."""
     tp = config.tensor_parallel_size
     problems = []
+    if cfg.vision is not None:
+        problems.append("vision tower (a vision-language model runs on one rank)")
     if cfg.num_attention_heads % tp:
         problems.append(f"{cfg.num_attention_heads} attention heads")
     kv = cfg.num_key_value_heads

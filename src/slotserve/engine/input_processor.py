@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from slotserve.engine.request import EngineCoreRequest
+from slotserve.multimodal.inputs import ImageInput
+from slotserve.multimodal.prompts import ImageLike, ImagePrompting
 from slotserve.pooling_params import PoolingParams
 from slotserve.sampling_params import SamplingParams
 from slotserve.tokenizer import Tokenizer
@@ -24,12 +27,13 @@ class TaskMismatchError(ValueError):
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, task: str = "generate",
-                 hidden_size: int | None = None) -> None:
+                 hidden_size: int | None = None, image_prompting: ImagePrompting | None = None) -> None:
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.task, self.hidden_size = task, hidden_size
+        self.image_prompting = image_prompting  # None: a text model
 
-    def process(self, request_id: str, prompt: str | list[int],
-                params: SamplingParams | PoolingParams) -> ProcessedRequest:
+    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
+                images: Sequence[ImageLike] = ()) -> ProcessedRequest:
         """Bad input raises ValueError naming the field and the problem."""
         pooling = isinstance(params, PoolingParams)
         if pooling and self.task != "embed":
@@ -51,8 +55,13 @@ class InputProcessor:
                 raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         if not token_ids:
             raise ValueError("prompt: must not be empty")
+        placed = []
+        if images and self.image_prompting is None:
+            raise ValueError("images: this is a text model; it takes no images")
+        if self.image_prompting is not None:
+            token_ids, placed = self.image_prompting.place(token_ids, images)
         if pooling:
-            return self._embedding(request_id, text, token_ids, params)
+            return self._embedding(request_id, text, token_ids, params, placed)
         self._check_token_ids(params)
         max_tokens = self.resolve_max_tokens(len(token_ids), params)
         sequences = []
@@ -61,7 +70,8 @@ class InputProcessor:
             if params.n > 1 and params.seed is not None:
                 # Each of the n samples gets its own seeded stream; together they stay reproducible.
                 seq_params = replace(params, seed=(params.seed + index) % 2**64)
-            sequences.append(EngineCoreRequest(f"{request_id}#{index}", token_ids, seq_params, max_tokens))
+            sequences.append(EngineCoreRequest(f"{request_id}#{index}", token_ids, seq_params, max_tokens,
+                                               images=placed))
         return ProcessedRequest(request_id, text, token_ids, sequences)
 
     def _check_token_ids(self, params: SamplingParams) -> None:
@@ -70,14 +80,15 @@ class InputProcessor:
             if bad:
                 raise ValueError(f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
 
-    def _embedding(self, request_id: str, text: str | None, token_ids: list[int],
-                   params: PoolingParams) -> ProcessedRequest:
+    def _embedding(self, request_id: str, text: str | None, token_ids: list[int], params: PoolingParams,
+                   images: list[ImageInput]) -> ProcessedRequest:
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"input: {len(token_ids)} tokens do not fit the context of {self.max_model_len} tokens")
         if params.dimensions is not None and self.hidden_size and params.dimensions > self.hidden_size:
             raise ValueError(f"dimensions: at most {self.hidden_size} for this model, got {params.dimensions}")
         # Prefill only: the sampling parameters are never used.
-        seq = EngineCoreRequest(f"{request_id}#0", token_ids, SamplingParams(max_tokens=1), 0, pooling=params)
+        seq = EngineCoreRequest(f"{request_id}#0", token_ids, SamplingParams(max_tokens=1), 0, pooling=params,
+                                images=images)
         return ProcessedRequest(request_id, text, token_ids, [seq])
 
     def resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:

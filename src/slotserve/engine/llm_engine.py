@@ -7,6 +7,8 @@ same three parts in separate threads and processes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from slotserve.config import EngineConfig, ModelConfig
@@ -17,6 +19,7 @@ from slotserve.engine.output_processor import OutputProcessor
 from slotserve.engine.scheduler import Scheduler
 from slotserve.kv_cache.manager import KVCacheManager
 from slotserve.model_store import resolve_model
+from slotserve.multimodal.prompts import ImageLike, ImagePrompting
 from slotserve.outputs import EmbeddingOutput, RequestOutput
 from slotserve.pooling_params import PoolingParams
 from slotserve.sampling_params import SamplingParams
@@ -31,8 +34,10 @@ class LLMEngine:
         path = resolve_model(config.model)
         self.tokenizer = Tokenizer.from_dir(path)
         self.core = EngineCore(config, path, self.tokenizer.eos_token_id)
+        prompting = ImagePrompting.for_model(path, self.core.model_config, config.limit_mm_per_prompt,
+                                             config.image_min_pixels, config.image_max_pixels)
         self.input_processor = InputProcessor(self.tokenizer, self.core.vocab_size, self.core.max_model_len,
-                                              self.core.task, self.core.model_config.hidden_size)
+                                              self.core.task, self.core.model_config.hidden_size, prompting)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def shutdown(self) -> None:
@@ -77,13 +82,14 @@ class LLMEngine:
         return self.core.task
 
     def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | PoolingParams | None = None) -> None:
-        """Queues a request (PoolingParams: an embedding request); bad input raises ValueError naming the
-        problem and changes nothing."""
+                    params: SamplingParams | PoolingParams | None = None, images: Sequence[ImageLike] = ()) -> None:
+        """Queues a request (PoolingParams: an embedding request; `images`: for a vision-language model, in the
+        order of the prompt's image placeholders); bad input raises ValueError naming the problem and changes
+        nothing."""
         if request_id in self.output_processor:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         default = PoolingParams() if self.core.task == "embed" else SamplingParams()
-        processed = self.input_processor.process(request_id, prompt, params or default)
+        processed = self.input_processor.process(request_id, prompt, params or default, images)
         self.output_processor.add_request(processed)
         added = []
         try:

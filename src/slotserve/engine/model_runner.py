@@ -28,6 +28,7 @@ from slotserve.layers.attention import (
 from slotserve.layers.sampler import greedy
 from slotserve.models.fused_decode import MAX_TOKENS, FusedDecode
 from slotserve.models.packing import pack_linears
+from slotserve.multimodal.inputs import SeqVision, VisualRows
 from slotserve.parallel import ubatch
 from slotserve.parallel.ubatch import run_ubatches
 
@@ -54,6 +55,7 @@ class ScheduledSeq:
     start_pos: int
     block_table: list[int]
     want: Want = Want.LAST
+    vision: SeqVision | None = None  # a vision-language model's positions and image rows; never sent to workers
 
     def __post_init__(self) -> None:
         if not isinstance(self.want, Want):
@@ -121,9 +123,10 @@ class FlatBatch:
     """One forward's inputs: the sequences' new tokens side by side, and which rows leave the model."""
 
     input_ids: torch.Tensor
-    positions: torch.Tensor
+    positions: torch.Tensor  # [tokens], or [3, tokens] (M-RoPE) where a sequence computes image tokens
     meta: AttentionMetadata
     keep: torch.Tensor | None  # the rows whose final hidden state is needed; None: all
+    visual: VisualRows | None = None  # the image tokens' rows and encoder outputs
 
 
 class ModelRunner:
@@ -158,7 +161,9 @@ class ModelRunner:
         # not under tensor parallel, whose collectives sit between the layers.
         parallel = getattr(model, "parallel", UNSPLIT)
         self.group = parallel.group
-        self._fuses = self.decode_mode == "paged" and cpu_fp32 and parallel.group.size == 1
+        # Nor for a vision-language model, whose rotary positions are not the cache's.
+        self._fuses = (self.decode_mode == "paged" and cpu_fp32 and parallel.group.size == 1
+                       and not hasattr(model, "encode_images"))
         self.rebind()
 
     def rebind(self) -> None:
@@ -260,13 +265,33 @@ class ModelRunner:
         )
         # Only the rows asked for leave the model (row j of its output is token needed[j]).
         keep = self._tensor(needed) if len(needed) < len(input_ids) else None
+        if any(seq.vision is not None for seq in seqs):
+            vision_positions, visual = self._vision_positions(seqs)
+            return FlatBatch(self._tensor(input_ids), vision_positions, meta, keep, visual)
         return FlatBatch(self._tensor(input_ids), self._tensor(positions), meta, keep)
+
+    def _vision_positions(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, VisualRows | None]:
+        """The M-RoPE positions of a vision-language model's batch ([3, tokens] where any sequence gives its own,
+        else [tokens]) and its image tokens' rows."""
+        spans, pieces, row = [], [], 0
+        for seq in seqs:
+            vision = seq.vision or SeqVision(None, 0, [])
+            spans.append(vision.positions if vision.positions is not None
+                         else torch.arange(seq.start_pos, seq.start_pos + len(seq.token_ids)) + vision.offset)
+            pieces.extend((row + first, image, part) for first, image, part in vision.images)
+            row += len(seq.token_ids)
+        if any(span.dim() == 2 for span in spans):
+            spans = [span.expand(3, -1) for span in spans]
+        positions = torch.cat(spans, dim=-1).to(self.device)
+        return positions, VisualRows.gather(pieces, self.device) if pieces else None
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
     def _run(self, batch: FlatBatch) -> torch.Tensor:
+        if batch.visual is not None:
+            return self.model(batch.input_ids, batch.positions, batch.meta, batch.keep, visual=batch.visual)
         return self.model(batch.input_ids, batch.positions, batch.meta, batch.keep)
 
     @torch.inference_mode()

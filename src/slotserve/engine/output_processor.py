@@ -102,7 +102,7 @@ class OutputProcessor:
             group.first_token_time = group.first_token_time or now
             if out.prompt_logprobs is not None:
                 group.prompt_logprobs = [self._name_tokens(p) for p in out.prompt_logprobs]
-                group.num_cached_tokens = out.num_cached_tokens
+            group.num_cached_tokens = out.num_cached_tokens
             if self._update(seq, out):
                 stopped.append(out.request_id)
             touched[request_id] = group

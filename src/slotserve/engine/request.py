@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from slotserve.layers.sampler import SamplingState
+from slotserve.multimodal.inputs import ImageInput, RequestImages
 from slotserve.outputs import PositionLogprobs
 from slotserve.pooling_params import PoolingParams
 from slotserve.sampling_params import SamplingParams
@@ -23,6 +24,7 @@ class EngineCoreRequest:
     max_tokens: int  # resolved against the context limit by the input processor
     arrival_time: float = field(default_factory=time.time)
     pooling: PoolingParams | None = None  # an embedding request: prefill only, one vector out
+    images: list[ImageInput] = field(default_factory=list)  # in prompt order, their tokens in place
 
 
 @dataclass
@@ -65,6 +67,7 @@ class Request:
     finish_reason: str | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     pooling: PoolingParams | None = None
+    images: RequestImages | None = None
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """(prompt + output tokens)[start:end], without building the whole list: a decode step reads one token

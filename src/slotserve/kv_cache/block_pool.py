@@ -17,7 +17,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: int | None = None  # set once the block is full and registered in the prefix cache
-    token_ids: tuple[int, ...] | None = None  # its tokens, to verify a hash hit
+    token_ids: tuple | None = None  # its tokens (and image keys), to verify a hash hit
 
 
 class BlockPool:
@@ -63,7 +63,7 @@ class BlockPool:
             if block.ref_count == 0:
                 self._free[block_id] = None
 
-    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> int | None:
+    def lookup(self, block_hash: int, token_ids: tuple) -> int | None:
         """The block caching exactly these tokens after this prefix, if any."""
         block = self._cached.get(block_hash)
         if block is None or block.token_ids != token_ids:  # a hash collision is a miss
@@ -78,7 +78,7 @@ class BlockPool:
                 del self._free[block_id]
             block.ref_count += 1
 
-    def cache(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
+    def cache(self, block_id: int, block_hash: int, token_ids: tuple) -> None:
         """Registers a full, computed block under the hash of its prefix."""
         block = self.blocks[block_id]
         if block.hash is not None or block_hash in self._cached:

@@ -1,7 +1,8 @@
 """Per-request KV cache bookkeeping: block tables, the prefix cache, hit-rate counters.
 
-A full block is identified by a hash chained over the previous block's hash and its own token ids,
-so equal hashes mean equal whole prefixes; hits are verified against the stored tokens.
+A full block is identified by a hash chained over the previous block's hash and its own token ids (and,
+for image tokens, their image's content hash), so equal hashes mean equal whole prefixes; hits are
+verified against the stored tokens.
 """
 
 from __future__ import annotations
@@ -83,8 +84,11 @@ class KVCacheManager:
         request.block_table = []
         request.num_registered_blocks = 0
 
-    def _block_tokens(self, request: Request, i: int) -> tuple[int, ...]:
-        return tuple(request.token_ids(i * self.block_size, (i + 1) * self.block_size))
+    def _block_tokens(self, request: Request, i: int) -> tuple:
+        """Block i's token ids, and its images' identities where it holds image tokens."""
+        start, end = i * self.block_size, (i + 1) * self.block_size
+        tokens = tuple(request.token_ids(start, end))
+        return tokens + request.images.block_key(start, end) if request.images is not None else tokens
 
     def _hashes(self, request: Request, count: int) -> list[int]:
         """The chained hashes of the request's first `count` full blocks, extended incrementally."""

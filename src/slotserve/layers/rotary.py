@@ -71,6 +71,27 @@ class RotaryEmbedding:
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
 
+class MropeRotaryEmbedding(RotaryEmbedding):
+    """Interleaved multimodal RoPE (Qwen3-VL): each token has a (T, H, W) position (an image token its frame,
+    row and column; a text token the same number three times), and frequency i of the head takes the H
+    position where i % 3 == 1 and i < 3 * section[1], the W position where i % 3 == 2 and i < 3 * section[2],
+    else the T position. 1-D positions are text only, where this is plain RoPE."""
+
+    def __init__(self, head_dim: int, max_position: int, rope: RopeConfig, section: tuple[int, ...]) -> None:
+        super().__init__(head_dim, max_position, rope)
+        # Python ints, not a tensor: the model is built on the meta device.
+        self.axis = [1 if i % 3 == 1 and i < 3 * section[1] else 2 if i % 3 == 2 and i < 3 * section[2] else 0
+                     for i in range(head_dim // 2)]
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [tokens] or [3, tokens]; cos and sin [tokens, 1, head_dim / 2]."""
+        if positions.dim() == 1:
+            return super().__call__(positions)
+        cos, sin = self.tables(positions.device)
+        index = torch.tensor(self.axis, device=positions.device).expand(1, positions.shape[1], -1)
+        return tuple(table[positions].gather(0, index).squeeze(0).unsqueeze(1) for table in (cos, sin))
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotates [tokens, heads, head_dim] by pairing element j with element j + head_dim / 2 (on a CPU in
     float32, one native call instead of nine torch ops; x may be a column slice of wider rows)."""

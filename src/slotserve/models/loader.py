@@ -16,6 +16,7 @@ from tqdm import tqdm
 from slotserve.config import ModelConfig
 from slotserve.distributed.group import UNSPLIT, ModelParallel
 from slotserve.layers.linear import MergedLinear, Shard
+from slotserve.models.qwen3_vl import TensorParts
 from slotserve.models.registry import model_class
 
 logger = logging.getLogger("slotserve")
@@ -131,6 +132,9 @@ def load_weights(model: nn.Module, files: list[Path], dtype: torch.dtype, device
     shared with the OS cache), which is what makes a second load of a model take seconds; the parts of
     a merged projection are copied into its weight."""
     layout = checkpoint_layout(model)
+    # A model that takes tensors stored stacked (Qwen3-VL-MoE's experts) splits them into the ones it has.
+    split = getattr(model, "split_checkpoint_tensor", None)
+    shapes = checkpoint_shapes(files) if split is not None else {}
     loaded: set[str] = set()
     for file in files:
         try:
@@ -141,6 +145,10 @@ def load_weights(model: nn.Module, files: list[Path], dtype: torch.dtype, device
                     tensor_name = key
                     if key not in layout and f"model.{key}" in layout:
                         key = f"model.{key}"  # a bare-decoder checkpoint (Qwen3Model) names tensors without it
+                    if key not in layout and split is not None and (parts := split(key, shapes)) is not None:
+                        _place_parts(model, layout, parts, f.get_tensor(key), dtype, device, file)
+                        loaded.update(name for name, _ in parts)
+                        continue
                     if key not in layout:
                         raise WeightsError(f"{file}: tensor {key!r} has no place in {type(model).__name__}")
                     place = layout[key]
@@ -154,6 +162,31 @@ def load_weights(model: nn.Module, files: list[Path], dtype: torch.dtype, device
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise WeightsError(f"{files[0].parent}: checkpoint lacks {len(missing)} tensors: {shown}")
+
+
+def checkpoint_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape, from the safetensors headers."""
+    shapes = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            keys = f.keys()
+            shapes.update({key: tuple(f.get_slice(key).get_shape()) for key in keys})
+    return shapes
+
+
+def _place_parts(model: nn.Module, layout: dict[str, TensorPlace | None], parts: TensorParts, stacked: torch.Tensor,
+                 dtype: torch.dtype, device: torch.device, file: Path) -> None:
+    for name, take in parts:
+        place = layout.get(name, False)
+        if place is False:
+            raise WeightsError(f"{file}: tensor {name!r} (of a stacked tensor) has no place in {type(model).__name__}")
+        if place is None:
+            continue
+        tensor = take(stacked)
+        if tuple(tensor.shape) != place.shape:
+            raise WeightsError(f"{file}: tensor {name!r} (of a stacked tensor) has shape {tuple(tensor.shape)}, "
+                               f"the config implies {place.shape}")
+        _place(model, place, tensor.contiguous(), dtype, device)
 
 
 def _read(f: Any, name: str, place: TensorPlace, file: Path) -> torch.Tensor:

@@ -120,6 +120,14 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
+def check_moe_config(cfg: ModelConfig) -> None:
+    if cfg.num_experts > 0 and not 0 < cfg.num_experts_per_tok <= cfg.num_experts:
+        raise ConfigError(f"config.json: num_experts_per_tok {cfg.num_experts_per_tok} must be "
+                          f"between 1 and num_experts ({cfg.num_experts})")
+    if cfg.num_experts > 0 and cfg.moe_intermediate_size < 1:
+        raise ConfigError("config.json: a mixture-of-experts model needs 'moe_intermediate_size'")
+
+
 def moe_mlp(cfg: ModelConfig, layer_idx: int, parallel: ModelParallel) -> nn.Module:
     return SparseMoeBlock(cfg, parallel) if is_sparse_layer(cfg, layer_idx) else QwenMLP(cfg, parallel.group)
 
@@ -131,9 +139,5 @@ class Qwen3MoeForCausalLM(QwenForCausalLM):
 
     def __init__(self, cfg: ModelConfig, max_position: int | None = None,
                  parallel: ModelParallel = UNSPLIT) -> None:
-        if cfg.num_experts > 0 and not 0 < cfg.num_experts_per_tok <= cfg.num_experts:
-            raise ConfigError(f"config.json: num_experts_per_tok {cfg.num_experts_per_tok} must be "
-                              f"between 1 and num_experts ({cfg.num_experts})")
-        if cfg.num_experts > 0 and cfg.moe_intermediate_size < 1:
-            raise ConfigError("config.json: a mixture-of-experts model needs 'moe_intermediate_size'")
+        check_moe_config(cfg)
         super().__init__(cfg, max_position, parallel)

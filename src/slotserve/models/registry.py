@@ -6,6 +6,7 @@ from torch import nn
 
 from slotserve.models.qwen import QwenForCausalLM, QwenForEmbedding
 from slotserve.models.qwen3_moe import Qwen3MoeForCausalLM
+from slotserve.models.qwen3_vl import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -18,6 +19,8 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen2Model": QwenForEmbedding,
     "Qwen3Model": QwenForEmbedding,
+    "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
+    "Qwen3VLMoeForConditionalGeneration": Qwen3VLMoeForConditionalGeneration,
 }
 
 

@@ -1,0 +1,1 @@
+"""Images for vision-language models: loading, preprocessing (Qwen3-VL)."""
