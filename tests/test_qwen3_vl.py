@@ -13,6 +13,7 @@ import torch
 
 from slotserve.config import EngineConfig, ModelConfig
 from slotserve.engine.llm_engine import LLMEngine
+from slotserve.engine.model_runner import ScheduledSeq, Want
 from slotserve.multimodal.image_processor import ProcessedImage
 from slotserve.multimodal.inputs import ImageInput, rope_positions
 from slotserve.sampling_params import SamplingParams
@@ -135,27 +136,93 @@ def hf_logits(hf, inputs: dict) -> torch.Tensor:
         return hf(**inputs).logits[0]
 
 
+def prefill_logits(engine: LLMEngine, prompt: list[int], images: list[ProcessedImage]) -> torch.Tensor:
+    """Every prompt position's logits, the prompt prefilled in one step straight through the core."""
+    engine.add_request("probe", prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), images)
+    ours = engine.core.requests["probe#0"]
+    n = len(ours.prompt_token_ids)
+    engine.core._encode_images([(ours, n)])
+    engine.kv.allocate(ours, n)
+    seq = ScheduledSeq(ours.prompt_token_ids, 0, ours.block_table, Want.ALL, ours.images.vision(0, n))
+    (result,) = engine.core.execute([seq])
+    engine.abort_request("probe")
+    return result.logits
+
+
+IMAGES = [random_image((1, 4, 6), 1), random_image((1, 6, 2), 2)]
+PROMPT = prompt_with(IMAGES, [TEXT_A, TEXT_B, TEXT_C])
+
+
 @pytest.mark.parametrize("model", ["dense", "moe"])
 def test_prefill_logits_with_images_equal_transformers(request, model):
     path, hf = request.getfixturevalue(model)
     engine = make_engine(path)
-    images = [random_image((1, 4, 6), 1), random_image((1, 6, 2), 2)]
-    prompt = prompt_with(images, [TEXT_A, TEXT_B, TEXT_C])
-    inputs = hf_inputs(engine, prompt, images)
+    inputs = hf_inputs(engine, PROMPT, IMAGES)
     expected = hf_logits(hf, inputs)
-    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), images)
-    ours = engine.core.requests["r#0"]
-    from slotserve.engine.model_runner import ScheduledSeq, Want
-
-    engine.core._encode_images([(ours, len(ours.prompt_token_ids))])
-    n = len(ours.prompt_token_ids)
-    engine.kv.allocate(ours, n)
-    seq = ScheduledSeq(ours.prompt_token_ids, 0, ours.block_table, Want.ALL, ours.images.vision(0, n))
-    (result,) = engine.core.execute([seq])
-    torch.testing.assert_close(result.logits, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(prefill_logits(engine, PROMPT, IMAGES), expected, atol=1e-4, rtol=1e-4)
     # Not vacuous: the images move the logits.
     blank = hf_logits(hf, {**inputs, "pixel_values": torch.zeros_like(inputs["pixel_values"])})
     assert (blank - expected).abs().max() > 1e-2
+
+
+def test_moe_experts_load_in_the_published_layout_too(moe, tmp_path):
+    """Published checkpoints store each layer's experts as gate_up_proj (E, H, 2I) and down_proj (E, I, H);
+    transformers 5 saves them as (E, 2I, H) and (E, H, I). Both load into the same model."""
+    from safetensors.torch import load_file, save_file
+
+    path, _ = moe
+    published = tmp_path / "published"
+    shutil.copytree(path, published)
+    tensors = load_file(path / "model.safetensors")
+    stacked = [k for k in tensors if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]
+    assert stacked
+    for key in stacked:
+        tensors[key] = tensors[key].transpose(1, 2).contiguous()
+    save_file(tensors, published / "model.safetensors", metadata={"format": "pt"})
+    expected = prefill_logits(make_engine(path), PROMPT, IMAGES)
+    assert torch.equal(prefill_logits(make_engine(published), PROMPT, IMAGES), expected)
+
+
+# Qwen3-VL-2B-Instruct's config.json, as transformers 4.57 wrote it (rope_scaling and rope_theta, not
+# rope_parameters).
+QWEN3_VL_2B = {
+    "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl", "tie_word_embeddings": True,
+    "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653,
+    "text_config": {
+        "model_type": "qwen3_vl_text", "attention_bias": False, "bos_token_id": 151643, "eos_token_id": 151645,
+        "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 6144,
+        "max_position_embeddings": 262144, "num_attention_heads": 16, "num_hidden_layers": 28,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_theta": 5000000, "tie_word_embeddings": True,
+        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
+        "vocab_size": 151936},
+    "vision_config": {
+        "deepstack_visual_indexes": [5, 11, 17], "depth": 24, "hidden_act": "gelu_pytorch_tanh", "hidden_size": 1024,
+        "in_channels": 3, "intermediate_size": 4096, "model_type": "qwen3_vl", "num_heads": 16,
+        "num_position_embeddings": 2304, "out_hidden_size": 2048, "patch_size": 16, "spatial_merge_size": 2,
+        "temporal_patch_size": 2},
+}
+
+
+def test_the_published_2b_config_builds_its_model():
+    from slotserve.models.loader import build_meta_model
+
+    cfg = ModelConfig.from_dict(QWEN3_VL_2B)
+    assert cfg.mrope_section == (24, 20, 20) and cfg.rope.theta == 5e6 and cfg.tie_word_embeddings
+    assert cfg.qk_norm and cfg.num_hidden_layers == 28 and cfg.eos_token_ids == (151645,)
+    model = build_meta_model(cfg)
+    assert len(model.model.visual.blocks) == 24 and len(model.model.visual.deepstack_merger_list) == 3
+    assert 2.0e9 < sum(p.numel() for p in model.parameters()) < 2.3e9  # "2B": 2.1 billion parameters
+
+
+def test_a_config_that_does_not_hold_together_is_refused():
+    from slotserve.config import ConfigError
+
+    bad = {**QWEN3_VL_2B, "text_config": {**QWEN3_VL_2B["text_config"], "rope_scaling": {"mrope_section": [24, 20]}}}
+    with pytest.raises(ConfigError, match="mrope_section"):
+        ModelConfig.from_dict(bad)
+    with pytest.raises(ConfigError, match="image_token_id"):
+        ModelConfig.from_dict({k: v for k, v in QWEN3_VL_2B.items() if k != "image_token_id"})
 
 
 def hf_greedy(hf, inputs: dict, steps: int = 32) -> list[int]:

@@ -15,7 +15,7 @@ import multiprocessing
 import os
 import tempfile
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import zmq
 import zmq.asyncio
@@ -28,6 +28,7 @@ from slotserve.engine.faults import FaultPoint
 from slotserve.engine.input_processor import InputProcessor
 from slotserve.engine.serialization import CoreCommand, CoreEvent, decode_event, encode
 from slotserve.model_store import resolve_model
+from slotserve.multimodal.prompts import ImageLike, ImagePrompting
 from slotserve.outputs import EmbeddingOutput, RequestOutput
 from slotserve.pooling_params import PoolingParams
 from slotserve.sampling_params import SamplingParams
@@ -154,7 +155,7 @@ class RequestStream:
 class AsyncLLM:
     def __init__(self, config: EngineConfig, model_path, tokenizer: Tokenizer, log_level: str = "INFO") -> None:
         self.config, self.tokenizer = config, tokenizer
-        self.model_config = ModelConfig.from_dir(model_path)
+        self.model_path, self.model_config = model_path, ModelConfig.from_dir(model_path)
         self._log_level = log_level
         self._ctx = zmq.asyncio.Context()
         base = os.path.join(tempfile.gettempdir(), f"slotserve-{uuid.uuid4().hex[:12]}")
@@ -205,8 +206,10 @@ class AsyncLLM:
                 self._cleanup()
                 raise EngineStartError(f"engine core not ready after {timeout:.0f} s")
         self.max_model_len, self.task = event.max_model_len, event.task
+        prompting = ImagePrompting.for_model(self.model_path, self.model_config, self.config.limit_mm_per_prompt,
+                                             self.config.image_min_pixels, self.config.image_max_pixels)
         self.input_processor = InputProcessor(self.tokenizer, event.vocab_size, event.max_model_len, event.task,
-                                              event.hidden_size)
+                                              event.hidden_size, prompting)
         self._tasks = [asyncio.create_task(self._receive_events(), name="slotserve-events"),
                        asyncio.create_task(self._watch_process(), name="slotserve-watchdog")]
         for task in self._tasks:
@@ -222,16 +225,16 @@ class AsyncLLM:
     def num_sequences_in_flight(self) -> int:
         return sum(len(s.sequence_ids) for s in self._streams.values())
 
-    async def add_request(self, request_id: str, prompt: str | list[int],
-                          params: SamplingParams | PoolingParams) -> RequestStream:
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
+                          images: Sequence[ImageLike] = ()) -> RequestStream:
         """Validates and queues a request (ValueError for bad input, EngineDeadError when the engine is
         gone); iterate the returned stream for its deltas. `request_id` is the caller's name for it:
-        it is put on its outputs and may repeat."""
+        it is put on its outputs and may repeat. `images`: a vision-language model's, in placeholder order."""
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
         key = str(next(self._keys))
-        # Tokenizing a long prompt takes seconds: not on the event loop.
-        processed = await asyncio.to_thread(self.input_processor.process, key, prompt, params)
+        # Tokenizing a long prompt, or decoding and resizing images, takes seconds: not on the event loop.
+        processed = await asyncio.to_thread(self.input_processor.process, key, prompt, params, images)
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
         stream = _Stream(request_id, processed.prompt, processed.prompt_token_ids,

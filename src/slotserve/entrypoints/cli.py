@@ -59,6 +59,12 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_options: bool = True) -> Non
                    help="decode-only steps of fewer tokens are not split (default 32)")
     g.add_argument("--ubatch-prefill-threshold", type=int, default=512,
                    help="other steps of fewer tokens are not split (default 512)")
+    g = p.add_argument_group("images (vision-language models)")
+    g.add_argument("--limit-mm-per-prompt", type=int, default=4, help="most images one prompt may carry (default 4)")
+    g.add_argument("--image-min-pixels", type=int, default=None,
+                   help="resize smaller images up to this many pixels (default: the model's preprocessor config)")
+    g.add_argument("--image-max-pixels", type=int, default=None,
+                   help="resize larger images down to this many pixels (default: the model's preprocessor config)")
     if cpu_options:
         g = p.add_argument_group("CPU")
         g.add_argument("--threads", type=int, default=None,
@@ -134,11 +140,15 @@ def _template_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     llm = make_llm(args)
-    prompt = args.prompt
+    images = [Path(path) for path in args.image or []]
+    prompt = {"prompt": args.prompt, "multi_modal_data": {"image": images}} if images else args.prompt
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
-        prompt = llm.render_chat([*messages, {"role": "user", "content": prompt}], _template_kwargs(args))
+        content = [*({"type": "image", "image": image} for image in images), {"type": "text", "text": args.prompt}]
+        prompt = llm.render_chat([*messages, {"role": "user", "content": content}], _template_kwargs(args))
     for piece in llm.stream(prompt, _params(args)):
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -195,7 +205,9 @@ def engine_config(args: argparse.Namespace):
                         distributed_executor_backend=args.distributed_executor_backend,
                         distributed_timeout=args.distributed_timeout, ubatches=args.ubatches,
                         ubatch_decode_threshold=args.ubatch_decode_threshold,
-                        ubatch_prefill_threshold=args.ubatch_prefill_threshold)
+                        ubatch_prefill_threshold=args.ubatch_prefill_threshold,
+                        limit_mm_per_prompt=args.limit_mm_per_prompt, image_min_pixels=args.image_min_pixels,
+                        image_max_pixels=args.image_max_pixels)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -214,7 +226,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("SLOTSERVE_API_KEY") or None,
         max_queued_requests=args.max_queued_requests,
         limits=RequestLimits(max_body_bytes=args.max_request_bytes, max_n=args.max_n, max_stop=args.max_stop,
-                             max_logit_bias=args.max_logit_bias),
+                             max_logit_bias=args.max_logit_bias, allow_image_urls=args.allow_image_urls,
+                             image_fetch_timeout=args.image_fetch_timeout, max_image_bytes=args.max_image_bytes),
         log_interval=args.log_interval,
         engine_death_exit_delay=args.engine_death_exit_delay,
     )
@@ -260,6 +273,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from slotserve.bench.ubatch import run_ubatch
 
         result = run_ubatch(make_llm, args)
+    elif args.bench == "vision":
+        from slotserve.bench.vision import run_vision
+
+        result = run_vision(args)
     elif args.bench == "serve":
         from slotserve.bench.serve import run_serve_bench
 
@@ -280,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="complete one prompt and print it as it is generated")
     p.add_argument("prompt")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    p.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="an image for a vision-language model (repeatable), before the prompt's text")
     _chat_args(p)
     add_engine_args(p)
     _sampling_args(p, max_tokens=256)
@@ -316,6 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"most stop strings, and most stop token ids, per request (default {limits.max_stop})")
     g.add_argument("--max-logit-bias", type=int, default=limits.max_logit_bias,
                    help=f"most logit_bias entries per request (default {limits.max_logit_bias})")
+    g.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch images given by http(s) URL (default: data: URLs only)")
+    g.add_argument("--image-fetch-timeout", type=float, default=limits.image_fetch_timeout,
+                   help=f"seconds one image's download may take (default {limits.image_fetch_timeout:g})")
+    g.add_argument("--max-image-bytes", type=_size, default=limits.max_image_bytes,
+                   help=f"largest image download (default {limits.max_image_bytes >> 20}M)")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -355,6 +380,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--words", type=int, default=16, help="words per random sentence")
     b.add_argument("--seed", type=int, default=0)
     add_engine_args(b)
+    b.set_defaults(func=cmd_bench)
+    b = bench.add_parser("vision", help="Qwen3-VL: images/s through the vision tower and time to first token with "
+                                        "one image, beside transformers")
+    b.add_argument("--model", "-m", default=None,
+                   help="a Qwen3-VL directory (default: a random model with Qwen3-VL-2B's vision tower)")
+    b.add_argument("--text-layers", type=int, default=4, help="text layers of the random model (the 2B has 28)")
+    b.add_argument("--image-size", type=int, default=448, help="side of the square test images, in pixels")
+    b.add_argument("--images", type=int, default=4, help="images per timed call of the vision tower")
+    b.add_argument("--repeats", type=int, default=3, help="timed runs of each measurement; the median is reported")
+    b.add_argument("--no-transformers", action="store_true", help="time slotserve alone (needs --model)")
     b.set_defaults(func=cmd_bench)
     b = bench.add_parser("serve", help="load a running server: request throughput, TTFT, TPOT, ITL")
     serve_bench_args(b)

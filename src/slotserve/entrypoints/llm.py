@@ -11,12 +11,16 @@ from tqdm import tqdm
 from slotserve.config import EngineConfig
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.model_store import DEFAULT_MODEL
+from slotserve.multimodal.chat import flatten_messages
+from slotserve.multimodal.prompts import ImageLike
 from slotserve.outputs import EmbeddingOutput, RequestOutput
 from slotserve.pooling_params import PoolingParams
 from slotserve.sampling_params import SamplingParams
 from slotserve.tokenizer import Tokenizer
 
-Prompt = str | list[int]
+# A prompt: text, token ids, or vLLM's dict form with images:
+# {"prompt": text or "prompt_token_ids": ids, "multi_modal_data": {"image": an image or a list of them}}.
+Prompt = str | list[int] | dict[str, Any]
 Message = dict[str, Any]
 
 
@@ -50,8 +54,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Completes each prompt (text or token ids); outputs come back in the prompts' order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Completes each prompt (text, token ids, or a dict with images); outputs come back in the prompts'
+        order."""
+        if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         return self._submit(prompts, _per_prompt(sampling_params, len(prompts)), use_tqdm)
 
@@ -61,7 +66,8 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params, strict=True):
                 ids.append(f"offline-{next(self._ids)}")
-                self.engine.add_request(ids[-1], prompt, p)
+                text, images = _with_images(prompt)
+                self.engine.add_request(ids[-1], text, p, images)
         except ValueError:
             self.engine.abort_request(ids)  # a bad prompt in the list leaves nothing half-queued
             raise
@@ -87,20 +93,26 @@ class LLM:
         add_generation_prompt: bool = True,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Renders each conversation with the model's chat template, then generates the reply."""
+        """Renders each conversation with the model's chat template, then generates the reply. A message's
+        content may be a list of parts: text, and images (`{"type": "image_url", "image_url": {"url": ...}}`
+        or `{"type": "image", "image": <a PIL image, bytes or a path>}`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.render_chat(c, chat_template_kwargs, tools, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def render_chat(self, messages: list[Message], chat_template_kwargs: dict[str, Any] | None = None,
-                    tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> str:
-        return self.engine.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+                    tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> Prompt:
+        """The conversation as a prompt: its text, or with images the dict form `generate` takes."""
+        flat, images = flatten_messages(messages)
+        text = self.engine.tokenizer.apply_chat_template(
+            flat, tools=tools, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+        return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yields the text of one completion piece by piece as the engine produces it."""
         request_id = f"offline-{next(self._ids)}"
-        self.engine.add_request(request_id, prompt, sampling_params)
+        text, images = _with_images(prompt)
+        self.engine.add_request(request_id, text, sampling_params, images)
         sent = 0
         try:
             while self.engine.has_unfinished_requests():
@@ -126,6 +138,23 @@ class LLM:
             bar.close()
             self.engine.abort_request([i for i in request_ids if i not in done])
         return [done[i] for i in request_ids]
+
+
+def _with_images(prompt: Prompt) -> tuple[str | list[int], list[ImageLike]]:
+    """A prompt's text or token ids, and its images."""
+    if not isinstance(prompt, dict):
+        return prompt, []
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+    if unknown:
+        raise ValueError(f"prompt: unknown keys {sorted(unknown)}")
+    text = prompt.get("prompt_token_ids", prompt.get("prompt"))
+    if text is None:
+        raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+    data = prompt.get("multi_modal_data") or {}
+    if set(data) - {"image"}:
+        raise ValueError(f"multi_modal_data: only 'image' is supported, got {sorted(data)}")
+    images = data.get("image", [])
+    return text, list(images) if isinstance(images, list | tuple) else [images]
 
 
 def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:

@@ -11,7 +11,13 @@ from pathlib import Path
 from PIL import Image
 
 from slotserve.config import ModelConfig
-from slotserve.multimodal.image_processor import ImageProcessorConfig, ProcessedImage, load_image, process_image
+from slotserve.multimodal.image_processor import (
+    ImageError,
+    ImageProcessorConfig,
+    ProcessedImage,
+    load_image,
+    process_image,
+)
 from slotserve.multimodal.inputs import ImageInput
 
 # What a prompt may carry as an image: an encoded file's bytes, a path or data: URL, a PIL image, or one
@@ -50,7 +56,12 @@ class ImagePrompting:
         if len(images) > self.limit_per_prompt:
             raise ValueError(f"images: at most {self.limit_per_prompt} per prompt (--limit-mm-per-prompt), "
                              f"got {len(images)}")
-        processed = [self.process(image) for image in images]
+        processed = []
+        for i, image in enumerate(images):
+            try:
+                processed.append(self.process(image))
+            except ImageError as e:
+                raise ImageError(f"images[{i}]: {e}") from None
         pad = self.image_token_id
         slots = [i for i, t in enumerate(token_ids) if t == pad]
         if not slots and processed:

@@ -42,6 +42,7 @@ from slotserve.entrypoints.openai.protocol import (
     require_model,
 )
 from slotserve.entrypoints.openai.serving import ClientDisconnectedError, OpenAIServing, new_request_id
+from slotserve.multimodal.chat import flatten_messages
 
 logger = logging.getLogger("slotserve")
 
@@ -211,8 +212,9 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
 
         def encode() -> list[int]:
             if body.messages is not None:
+                # Each image part counts as its one placeholder here: its size is known only once decoded.
                 text = engine.tokenizer.apply_chat_template(
-                    body.messages, add_generation_prompt=body.add_generation_prompt,
+                    flatten_messages(body.messages)[0], add_generation_prompt=body.add_generation_prompt,
                     **(body.chat_template_kwargs or {}))
             elif body.prompt is not None:
                 text = body.prompt

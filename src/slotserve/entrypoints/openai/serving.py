@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from slotserve.engine.async_llm import AsyncLLM, RequestStream
 from slotserve.entrypoints.openai.errors import as_server_error, unavailable
+from slotserve.entrypoints.openai.images import fetch_images
 from slotserve.entrypoints.openai.limits import RequestLimits
 from slotserve.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from slotserve.entrypoints.openai.protocol import (
@@ -27,6 +28,8 @@ from slotserve.entrypoints.openai.protocol import (
     CompletionRequest,
     EmbeddingRequest,
 )
+from slotserve.multimodal.chat import flatten_messages
+from slotserve.multimodal.prompts import ImageLike
 from slotserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from slotserve.pooling_params import PoolingParams
 from slotserve.sampling_params import SamplingParams
@@ -113,8 +116,8 @@ class OpenAIServing:
             raise ValueError("top_logprobs: needs logprobs to be true")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling_params(max_tokens, (top or 0) if body.logprobs else None)
-        prompt = await asyncio.to_thread(self._render, body)
-        streams = await self._start(request_id, [prompt], params)
+        prompt, images = await asyncio.to_thread(self._render, body)
+        streams = await self._start(request_id, [prompt], params, await fetch_images(images, self.limits))
         if body.stream:
             return self._sse(streams, self._chat_chunks(body, request_id, streams, params))
         choices, usage = await self._collect(raw, streams, params)
@@ -149,18 +152,20 @@ class OpenAIServing:
         return JSONResponse({"object": "list", "data": data, "model": self.model_name,
                              "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}})
 
-    def _render(self, body: ChatCompletionRequest) -> str:
+    def _render(self, body: ChatCompletionRequest) -> tuple[str, list[ImageLike]]:
+        """The prompt, and the images of its placeholders in order."""
+        messages, images = flatten_messages(body.messages)
         try:
             return self.engine.tokenizer.apply_chat_template(
-                [_flatten_content(m) for m in body.messages], tools=body.tools,
-                add_generation_prompt=body.add_generation_prompt, **(body.chat_template_kwargs or {}))
+                messages, tools=body.tools, add_generation_prompt=body.add_generation_prompt,
+                **(body.chat_template_kwargs or {})), images
         except TypeError as e:  # a template given a kwarg it cannot take
             raise ValueError(f"chat_template_kwargs: {e}") from None
 
     # ---- running requests ---------------------------------------------------------------------
 
-    async def _start(self, request_id: str, prompts: list[str | list[int]],
-                     params: SamplingParams | PoolingParams) -> list[RequestStream]:
+    async def _start(self, request_id: str, prompts: list[str | list[int]], params: SamplingParams | PoolingParams,
+                     images: list[ImageLike] = ()) -> list[RequestStream]:
         """Queues every prompt, or none: a bad one aborts those already queued."""
         if not prompts:
             raise ValueError("prompt: must not be empty")
@@ -175,7 +180,7 @@ class OpenAIServing:
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
-                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, params))
+                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, params, images))
         except BaseException:
             await _close(streams)
             raise
@@ -323,19 +328,6 @@ def _accumulate(choice: _Choice, comp: CompletionOutput) -> None:
     choice.logprobs += comp.logprobs or []
     if comp.finish_reason is not None:
         choice.finish_reason, choice.stop_reason = comp.finish_reason, comp.stop_reason
-
-
-def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI content parts [{"type": "text", "text": ...}] become one string (text is all we serve)."""
-    content = message.get("content")
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise ValueError("messages: only text content parts are supported")
-            texts.append(part.get("text", ""))
-        return {**message, "content": "".join(texts)}
-    return message
 
 
 def _chosen(position: PositionLogprobs) -> tuple[int, Any]:
