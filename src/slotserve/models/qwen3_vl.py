@@ -14,6 +14,7 @@ step's forward takes its output for the image tokens it computes (`VisualRows`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import ClassVar
 
 import torch
@@ -115,14 +116,15 @@ class Qwen3VLForConditionalGeneration(nn.Module):
 
 
 class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
-    """Qwen3-VL with Qwen3-MoE's sparse MLPs in the text model."""
+    """Qwen3-VL with Qwen3-MoE's sparse MLPs in the text model (router renormalised)."""
 
     mlp_for_layer = staticmethod(moe_mlp)
 
     def __init__(self, cfg: ModelConfig, max_position: int | None = None,
                  parallel: ModelParallel = UNSPLIT) -> None:
         check_moe_config(cfg)
-        super().__init__(cfg, max_position, parallel)
+        # Its router always renormalises the chosen experts' weights, whatever norm_topk_prob says.
+        super().__init__(replace(cfg, norm_topk_prob=True), max_position, parallel)
 
     def split_checkpoint_tensor(self, name: str, shapes: dict[str, tuple[int, ...]]) -> TensorParts | None:
         """A layer's experts stored stacked (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) as each
