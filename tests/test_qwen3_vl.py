@@ -242,8 +242,12 @@ REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize("model", ["dense", "moe"])
-@pytest.mark.parametrize("setting", ["batched", "chunked", "preempted"])
+# The fast tier runs one model per setting; the slow tier the other three.
+@pytest.mark.parametrize("model,setting", [
+    ("dense", "batched"), ("moe", "chunked"), ("dense", "preempted"),
+    *(pytest.param(m, s, marks=pytest.mark.slow) for m, s in (("moe", "batched"), ("dense", "chunked"),
+                                                             ("moe", "preempted"))),
+])
 def test_greedy_decoding_equals_transformers_generate(request, model, setting):
     """32 greedy tokens of requests with images and without, all at once: as one batch; with the prefill in
     chunks of 5 tokens (which cut every image); and with a cache so small that requests are preempted and

@@ -130,6 +130,7 @@ def test_bad_images_get_a_400(server, messages, match):
                                                    max_tokens=2).choices[0].message.content is not None
 
 
+@pytest.mark.slow
 def test_an_image_to_a_text_model_gets_a_400(tiny_qwen3):
     s = Server(tiny_qwen3)
     try:
@@ -139,6 +140,7 @@ def test_an_image_to_a_text_model_gets_a_400(tiny_qwen3):
         s.stop()
 
 
+@pytest.mark.slow
 def test_bench_vision_prints_both_engines_figures(vl_model):
     out = subprocess.run([sys.executable, "-m", "slotserve.entrypoints.cli", "--log-level", "WARNING", "bench",
                           "vision", "-m", str(vl_model), "--image-size", "64", "--images", "2", "--repeats", "1"],
@@ -174,6 +176,7 @@ def image_site():
     site.shutdown()
 
 
+@pytest.mark.slow
 def test_http_image_urls_are_fetched_when_allowed_within_the_size_cap(vl_model, image_site, llm):
     base, files = image_site
     s = Server(vl_model, "--allow-image-urls", "--max-image-bytes", "20K")
