@@ -11,7 +11,8 @@ os.environ.setdefault("MKL_CBWR", "AUTO")
 from slotserve.entrypoints.llm import LLM
 from slotserve.outputs import CompletionOutput, EmbeddingOutput, RequestOutput
 from slotserve.pooling_params import PoolingParams
-from slotserve.sampling_params import SamplingParams
+from slotserve.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "CompletionOutput", "EmbeddingOutput", "PoolingParams", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EmbeddingOutput", "PoolingParams", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams"]
 __version__ = "0.1.0"

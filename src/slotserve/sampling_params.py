@@ -12,6 +12,35 @@ MAX_LOGPROBS = 20
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's names): exactly one of a JSON schema, any JSON object,
+    a regular expression, a choice of strings, or a grammar (Lark, or llama.cpp's GBNF)."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if len(given) != 1:
+            raise ValueError("structured_outputs: give exactly one of json, json_object, regex, choice, grammar"
+                             + (f" (got {', '.join(given)})" if given else ""))
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object: must be a bool, got {self.json_object!r}")
+        if self.json is not None and not isinstance(self.json, dict | str):
+            raise ValueError("structured_outputs.json: must be a JSON schema (an object, or its text)")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"structured_outputs.{name}: must be a string")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice: must be a non-empty list of strings")
+
+
+@dataclass
 class SamplingParams:
     """How to sample one request. Validated on construction; a bad value raises ValueError naming the field.
 
@@ -37,6 +66,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (structured_outputs.py)
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, lo=1)
@@ -68,6 +98,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), lo=0, hi=MAX_LOGPROBS)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs: must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

@@ -31,6 +31,7 @@ from slotserve.models.pooling import PoolingConfig, load_pooling_config, resolve
 from slotserve.multimodal.inputs import RequestImages
 from slotserve.outputs import PositionLogprobs
 from slotserve.parallel.cpu import CpuSettings, apply_cpu_settings, restrict_process
+from slotserve.structured_outputs import Grammar, GrammarCompiler
 
 logger = logging.getLogger("slotserve")
 
@@ -107,6 +108,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
+        self.grammars = GrammarCompiler(Path(model_path) / "tokenizer.json", self.vocab_size,
+                                        sorted(self.eos_token_ids))
         self.load_seconds = time.perf_counter() - start
         logger.info("loaded %s (%s) in %.1f s; %s", config.model, self._placement(), self.load_seconds,
                     "; ".join(self._setup(num_blocks)))
@@ -155,6 +158,8 @@ class EngineCore:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
         sampling = SamplingState.new(request.params, request.prompt_token_ids, sorted(self.eos_token_ids),
                                      self.vocab_size, self.device)
+        if request.params.structured_outputs is not None:  # compiled on the grammar thread; it waits till then
+            sampling.grammar = Grammar(self.grammars.submit(request.params.structured_outputs))
         req = Request(request.request_id, request.prompt_token_ids, request.params, sampling, request.max_tokens,
                       prompt_logprobs=[] if request.params.prompt_logprobs is not None else None,
                       pooling=request.pooling, images=self._images(request))
@@ -212,8 +217,9 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """One forward pass over every scheduled request; an output for each that sampled a token."""
         plan = self.scheduler.schedule()
+        failed = self._failed_grammars(plan.scheduled)
         if not plan.scheduled:
-            return []
+            return failed
         self._encode_images(plan.scheduled)
         seqs = []
         for req, num_new in plan.scheduled:
@@ -244,7 +250,18 @@ class EngineCore:
             sampled = self.sampler(_one_tensor([row for _, row in sampling]), [r.sampling for r, _ in sampling])
             outputs += [self._append(req, sampled.token_ids[i], sampled.logprobs[i])
                         for i, (req, _) in enumerate(sampling)]
-        return outputs
+        return failed + outputs
+
+    def _failed_grammars(self, scheduled: list[tuple[Request, int]]) -> list[EngineCoreOutput]:
+        """Ends the scheduled requests whose grammar failed to compile for this tokenizer (the front end checked it
+        without one), taking them out of the step."""
+        failed = [req for req, _ in scheduled if req.sampling.grammar is not None and req.sampling.grammar.error]
+        for req in failed:
+            logger.error("request %s: %s", req.request_id, req.sampling.grammar.error)
+            self.requests.pop(req.request_id, None)
+            self.scheduler.finish(req, "abort")
+        scheduled[:] = [(req, n) for req, n in scheduled if req not in failed]
+        return [EngineCoreOutput(req.request_id, [], finish_reason="abort") for req in failed]
 
     def execute(self, seqs: list[ScheduledSeq]) -> list[SeqResult]:
         """One forward pass over these sequences on every rank (`ModelRunner.execute`); a failed collective
@@ -268,6 +285,8 @@ class EngineCore:
         """Stops the model's other ranks and leaves their process group; with `kill`, for an engine that is
         dying, ends them at once and leaves the group as it is (a thread may still be in a collective).
         Idempotent. This process may use all the cores it could before the engine pinned it again."""
+        if getattr(self, "grammars", None) is not None:
+            self.grammars.shutdown()
         if self.cpu is not None and self.cpu.cpu_affinity and self.host_cores:
             restrict_process(self.host_cores)
         if self.workers is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from slotserve import structured_outputs
 from slotserve.engine.request import EngineCoreRequest
 from slotserve.multimodal.inputs import ImageInput
 from slotserve.multimodal.prompts import ImageLike, ImagePrompting
@@ -63,6 +64,8 @@ class InputProcessor:
         if pooling:
             return self._embedding(request_id, text, token_ids, params, placed)
         self._check_token_ids(params)
+        if params.structured_outputs is not None:
+            structured_outputs.check(params.structured_outputs)
         max_tokens = self.resolve_max_tokens(len(token_ids), params)
         sequences = []
         for index in range(params.n):

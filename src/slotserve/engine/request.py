@@ -80,6 +80,11 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt]
 
     @property
+    def ready(self) -> bool:
+        """Whether it can be scheduled: its grammar, if it has one (structured outputs), is compiled."""
+        return self.sampling.grammar is None or self.sampling.grammar.ready()
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 

@@ -56,8 +56,12 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         # Admitting while preempting would only make the next preemption come sooner.
+        compiling = []  # requests whose grammar is not compiled yet: those behind them go first
         while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if not request.ready:
+                compiling.append(self.waiting.popleft())
+                continue
             cached = self.kv.cached_prefix(request)  # waiting requests have nothing computed
             remaining = request.num_tokens - request.num_computed_tokens - len(cached) * self.kv.block_size
             num_new = min(remaining, budget)
@@ -68,6 +72,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append((request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
         return out
 
     def _preempt(self, request: Request) -> None:

@@ -1,8 +1,9 @@
 """Batched token sampling with per-request state (penalty counts, a private random generator).
 
-Order per row, as in vLLM V1: min_tokens masking (EOS and stop tokens), logit_bias, repetition penalty,
-frequency and presence penalties; then greedy rows take the argmax, and random rows apply
-temperature, min_p, top_k, top_p and draw with their own generator (one uniform per row per step).
+Order per row, as in vLLM V1: the grammar's mask (structured outputs), min_tokens masking (EOS and stop
+tokens), logit_bias, repetition penalty, frequency and presence penalties; then greedy rows take the argmax, and
+random rows apply temperature, min_p, top_k, top_p and draw with their own generator (one uniform per row per
+step).
 
 Returned logprobs are those of the model's raw distribution (log_softmax of the unprocessed
 logits), vLLM V1's default: they describe what the model predicted, independent of how it was sampled.
@@ -19,6 +20,8 @@ import torch
 from slotserve.kernels import norm_rotary_swiglu_argmax as kernels
 from slotserve.outputs import Logprob, PositionLogprobs
 from slotserve.sampling_params import SamplingParams
+from slotserve.structured_outputs import Grammar
+from slotserve.structured_outputs import mask_ as grammar_mask_
 
 # top_k / top_p first look at this many of the highest logits (more only if a nucleus needs them).
 _MIN_CANDIDATES = 64
@@ -43,6 +46,7 @@ class SamplingState:
     seen_index: dict[int, int] | None = None  # token id -> index into the two tensors below
     seen_ids: torch.Tensor | None = None  # [capacity] int64
     seen_output_counts: torch.Tensor | None = None  # [capacity] float32
+    grammar: Grammar | None = None  # structured outputs: what may come next
 
     @classmethod
     def new(
@@ -77,6 +81,8 @@ class SamplingState:
 
     def append(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         if self.seen_index is None:
             return
         at = self.seen_index.get(token_id)
@@ -93,7 +99,7 @@ class SamplingState:
         that nothing processes (no penalty, bias or ban) at this step; the runner can pick it alone."""
         params = self.params
         return (params.greedy and params.logprobs is None and not params.logit_bias and self.seen_index is None
-                and not self.banned_token_ids())
+                and self.grammar is None and not self.banned_token_ids())
 
     def banned_token_ids(self) -> list[int]:
         """Tokens that may not be sampled at the next step: EOS and stop tokens until min_tokens.
@@ -163,8 +169,13 @@ def prompt_logprobs(logits: torch.Tensor, prompt_token_ids: list[int], k: int) -
 
 
 def process_logits(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-    """The processing that can change even a greedy pick: the min_tokens mask, logit_bias,
-    then repetition, frequency and presence penalties. Returns a new tensor when anything applies."""
+    """The processing that can change even a greedy pick: the grammar's mask (structured outputs), the
+    min_tokens mask, logit_bias, then repetition, frequency and presence penalties. Returns a new tensor when
+    anything applies."""
+    constrained = [i for i, s in enumerate(states) if s.grammar is not None]
+    if constrained:
+        logits = logits.clone()
+        grammar_mask_(logits, constrained, [states[i].grammar for i in constrained])
     rows, cols, values = [], [], []
     for i, s in enumerate(states):
         banned = s.banned_token_ids()
@@ -178,7 +189,8 @@ def process_logits(logits: torch.Tensor, states: list[SamplingState]) -> torch.T
     penalised = [i for i, s in enumerate(states) if s.seen_index]
     if not rows and not penalised:
         return logits
-    logits = logits.clone()
+    if not constrained:
+        logits = logits.clone()
     device = logits.device
     if rows:
         # Accumulate, so a bias on a banned token stays -inf.

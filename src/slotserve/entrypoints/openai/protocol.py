@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from slotserve.entrypoints.openai.errors import ServerError, bad_request
 from slotserve.entrypoints.openai.limits import RequestLimits
-from slotserve.sampling_params import SamplingParams
+from slotserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI's own cap on the inputs of one embeddings request.
@@ -49,6 +49,13 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     # OpenAI fields not implemented here, each with the values that mean "not used".
     unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {}
@@ -71,6 +78,27 @@ class _SamplingFields(BaseModel):
         if self.logit_bias and len(self.logit_bias) > limits.max_logit_bias:
             raise bad_request(f"logit_bias: at most {limits.max_logit_bias} entries, got {len(self.logit_bias)}",
                               "logit_bias")
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The one constraint the request gives, in any of its forms; ValueError naming the field otherwise."""
+        given: dict[str, StructuredOutputsParams] = {}
+        kinds = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+        for name, kind in kinds.items():
+            if getattr(self, name) is not None:
+                given[name] = StructuredOutputsParams(**{kind: getattr(self, name)})
+        if self.structured_outputs is not None:
+            fields = set(StructuredOutputsParams.__dataclass_fields__)
+            unknown = set(self.structured_outputs) - fields
+            if unknown:
+                raise ValueError(f"structured_outputs: unknown fields {sorted(unknown)}; the fields are "
+                                 f"{', '.join(sorted(fields))}")
+            given["structured_outputs"] = StructuredOutputsParams(**self.structured_outputs)
+        form = self.response_format
+        if form is not None and form.get("type") != "text":
+            given["response_format"] = _response_format(form)
+        if len(given) > 1:
+            raise ValueError(f"{', '.join(given)}: give one constraint, not several")
+        return next(iter(given.values()), None)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """ValueError (naming the field) for values out of range."""
@@ -100,7 +128,20 @@ class _SamplingFields(BaseModel):
             prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured(),
         )
+
+
+def _response_format(form: dict[str, Any]) -> StructuredOutputsParams:
+    kind = form.get("type")
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = form.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise ValueError("response_format.json_schema: must be an object with a 'schema' object")
+        return StructuredOutputsParams(json=spec.get("schema", {}))
+    raise ValueError(f"response_format.type: must be text, json_object or json_schema, got {kind!r}")
 
 
 class CompletionRequest(_SamplingFields):
@@ -131,7 +172,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
 
     unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "response_format": (None, {"type": "text"}), "audio": (None,), "modalities": (None, ["text"]),
+        "audio": (None,), "modalities": (None, ["text"]),
         "prediction": (None,), "functions": (None,), "function_call": (None, "none"),
         "web_search_options": (None,), "reasoning_effort": (None,), "verbosity": (None,),
     }

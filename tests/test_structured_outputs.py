@@ -1,0 +1,136 @@
+"""Constrained decoding on a tiny random Qwen3 (whose free output is noise, so a valid output is the grammar's
+work): JSON schemas, any JSON object, regexes, choices and grammars always match; bad constraints are
+ValueErrors naming the field; a request waits for its grammar while others run; a constrained request gives
+the same output alone and batched."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import jsonschema
+import pytest
+
+from slotserve import LLM, SamplingParams, StructuredOutputsParams
+from slotserve.structured_outputs import GrammarError
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0,
+                                                                              "maximum": 120},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}}}
+PROMPTS = ["Hello", "Write a list", "Answer in JSON", "One two three"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3):
+    with LLM(str(tiny_qwen3), kv_cache_memory=32 << 20) as llm:
+        yield llm
+
+
+def generate(llm, constraint: StructuredOutputsParams, prompts=PROMPTS, **kwargs) -> list:
+    settings = {"max_tokens": 96, "temperature": 0.8, "seed": 3, **kwargs}
+    params = SamplingParams(structured_outputs=constraint, **settings)
+    return [out.outputs[0] for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_json_schema_outputs_validate(llm):
+    for out in generate(llm, StructuredOutputsParams(json=SCHEMA)):
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
+def test_regex_choice_and_grammar_outputs_match(llm):
+    for out in generate(llm, StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2,4}")):
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", out.text), out.text
+    choices = ["yes", "no", "it depends"]
+    texts = {out.text for out in generate(llm, StructuredOutputsParams(choice=choices), temperature=1.5)}
+    assert texts <= set(choices)
+    for out in generate(llm, StructuredOutputsParams(grammar='root ::= "(" [a-c]+ ("," [a-c]+)* ")"')):
+        assert re.fullmatch(r"\([a-c]+(,[a-c]+)*\)", out.text) or out.finish_reason == "length", out.text
+
+
+def test_json_object_is_an_object_when_complete(llm):
+    for out in generate(llm, StructuredOutputsParams(json_object=True), max_tokens=200):
+        if out.finish_reason == "stop":
+            assert isinstance(json.loads(out.text), dict)
+        else:  # a noisy model may write one long string; what it wrote is still a prefix of an object
+            assert out.text.startswith("{")
+
+
+@pytest.mark.parametrize("constraint,match", [
+    (dict(regex="(("), "structured_outputs: regex: .*unclosed group"),
+    (dict(json={"type": "objekt"}), "structured_outputs: json: Invalid type: objekt"),
+    (dict(json="{not json"), "structured_outputs: "),
+    (dict(grammar="root ::= ("), "structured_outputs: "),
+])
+def test_bad_constraints_are_value_errors_and_queue_nothing(llm, constraint, match):
+    with pytest.raises(ValueError, match=match):
+        generate(llm, StructuredOutputsParams(**constraint))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_constraint_takes_exactly_one_form():
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="choice: must be a non-empty list"):
+        StructuredOutputsParams(choice=[])
+
+
+def test_constrained_output_is_the_same_alone_and_batched(llm):
+    """Seeded sampling under a grammar, as every request's sampling, does not depend on its batch."""
+    constraint = StructuredOutputsParams(json=SCHEMA)
+    alone = generate(llm, constraint, prompts=PROMPTS[:1])[0].text
+    others = [SamplingParams(max_tokens=40, temperature=0.8, seed=9),
+              SamplingParams(max_tokens=40, structured_outputs=StructuredOutputsParams(regex="[a-z ]+"), seed=5,
+                             temperature=1.0)]
+    params = [SamplingParams(max_tokens=96, temperature=0.8, seed=3, structured_outputs=constraint), *others]
+    batched = llm.generate(PROMPTS[:1] + PROMPTS[1:3], params, use_tqdm=False)
+    assert batched[0].outputs[0].text == alone
+
+
+def test_equal_constraints_compile_once(llm):
+    compiler = llm.engine.core.grammars
+    a = compiler.submit(StructuredOutputsParams(json={"type": "object", "properties": {"x": {"type": "integer"}}}))
+    b = compiler.submit(StructuredOutputsParams(json={"properties": {"x": {"type": "integer"}}, "type": "object"}))
+    assert a is b
+
+
+def test_a_request_waits_for_its_grammar_while_others_run(tiny_qwen3, monkeypatch):
+    """The grammar compiles on its own thread: while it does, the request is not scheduled and the others are."""
+    from slotserve.structured_outputs import GrammarCompiler
+
+    gate = threading.Event()
+    compile_grammar = GrammarCompiler._compile
+    monkeypatch.setattr(GrammarCompiler, "_compile", lambda self, params: gate.wait(30) and compile_grammar(self,
+                                                                                                           params))
+    with LLM(str(tiny_qwen3), kv_cache_memory=16 << 20) as llm:
+        engine = llm.engine
+        engine.add_request("constrained", "Hi", SamplingParams(max_tokens=4, temperature=0,
+                                                               structured_outputs=StructuredOutputsParams(regex="a+")))
+        engine.add_request("free", "Hi", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        finished = {}
+        while "free" not in finished:
+            finished.update({o.request_id: o for o in engine.step() if o.finished})
+        assert "constrained" not in finished and len(engine.scheduler.waiting) == 1
+        gate.set()
+        while engine.has_unfinished_requests():
+            finished.update({o.request_id: o for o in engine.step() if o.finished})
+        assert re.fullmatch("a+", finished["constrained"].outputs[0].text)
+        engine.kv.pool.check_whole()
+
+
+def test_a_grammar_that_fails_in_the_core_ends_its_request_alone(tiny_qwen3, monkeypatch):
+    from slotserve.structured_outputs import GrammarCompiler
+
+    def fail(self, params):
+        raise GrammarError("structured_outputs: regex: too large for this tokenizer")
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", fail)
+    with LLM(str(tiny_qwen3), kv_cache_memory=16 << 20) as llm:
+        outs = llm.generate(["Hi", "Hi"], [SamplingParams(max_tokens=3, structured_outputs=StructuredOutputsParams(
+            regex="a+")), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)], use_tqdm=False)
+        assert outs[0].outputs[0].finish_reason == "abort" and len(outs[1].outputs[0].token_ids) == 3
+        llm.engine.kv.pool.check_whole()
