@@ -134,3 +134,56 @@ def test_a_grammar_that_fails_in_the_core_ends_its_request_alone(tiny_qwen3, mon
             regex="a+")), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)], use_tqdm=False)
         assert outs[0].outputs[0].finish_reason == "abort" and len(outs[1].outputs[0].token_ids) == 3
         llm.engine.kv.pool.check_whole()
+
+
+def test_bench_structured_prints_its_figures(tiny_qwen3):
+    import subprocess
+    import sys
+
+    from tests.helpers import assert_figures
+
+    out = subprocess.run([sys.executable, "-m", "slotserve.entrypoints.cli", "--log-level", "WARNING", "bench",
+                          "structured", "-m", str(tiny_qwen3), "--kv-cache-memory", "16M", "--batch", "4",
+                          "--steps", "2", "--schemas", "1", "--repeats", "2"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert_figures(figures, "decode_step_ms.0_constrained", "decode_step_ms.1_constrained",
+                   "decode_step_ms.4_constrained", "mask_ms_per_step.batch_1", "mask_ms_per_step.batch_4",
+                   "schema_compile_ms.first_ms", "schema_compile_ms.median_ms")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3):
+    from tests.servers import Server
+
+    s = Server(tiny_qwen3)
+    yield s
+    s.stop()
+
+
+def test_the_openai_client_parses_a_pydantic_model(server):
+    """`client.chat.completions.parse` sends the model's JSON schema (strict) as response_format."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    from tests.servers import MODEL
+
+    class City(BaseModel):
+        name: str = Field(max_length=10)
+        country: Literal["France", "Italy", "Spain"]
+        population_millions: int = Field(ge=0, le=50)
+
+    client = server.client(max_retries=0)
+    for seed in range(3):
+        reply = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "A city?"}],
+                                              response_format=City, max_tokens=80, seed=seed, temperature=1.0)
+        assert isinstance(reply.choices[0].message.parsed, City)
+    out = client.completions.create(model=MODEL, prompt="Code:", max_tokens=20, temperature=1.0,
+                                    extra_body={"guided_regex": "[A-Z]{3}-[0-9]{2}"})
+    assert re.fullmatch("[A-Z]{3}-[0-9]{2}", out.choices[0].text)
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "JSON?"}],
+                                         max_tokens=200, response_format={"type": "json_object"})
+    if out.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(out.choices[0].message.content), dict)

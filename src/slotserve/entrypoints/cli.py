@@ -273,6 +273,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from slotserve.bench.ubatch import run_ubatch
 
         result = run_ubatch(make_llm, args)
+    elif args.bench == "structured":
+        from slotserve.bench.structured import run_structured
+
+        result = run_structured(make_llm(args).engine, args)
     elif args.bench == "vision":
         from slotserve.bench.vision import run_vision
 
@@ -379,6 +383,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--num-sentences", type=int, default=64)
     b.add_argument("--words", type=int, default=16, help="words per random sentence")
     b.add_argument("--seed", type=int, default=0)
+    add_engine_args(b)
+    b.set_defaults(func=cmd_bench)
+    b = bench.add_parser("structured", help="structured outputs: the decode step with none, one and all requests "
+                                            "under a JSON schema, the masks' time, schema compile time")
+    b.add_argument("--batch", type=int, default=32, help="requests in the decode batch")
+    b.add_argument("--input-len", type=int, default=32, help="prompt tokens of each request")
+    b.add_argument("--steps", type=int, default=16, help="decode steps timed per setting; the median is reported")
+    b.add_argument("--schemas", type=int, default=5, help="new schemas compiled for the compile figure")
+    b.add_argument("--repeats", type=int, default=10, help="timed runs of the masks")
     add_engine_args(b)
     b.set_defaults(func=cmd_bench)
     b = bench.add_parser("vision", help="Qwen3-VL: images/s through the vision tower and time to first token with "
