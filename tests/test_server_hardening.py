@@ -195,8 +195,8 @@ def test_queue_limit_counts_sequences_and_tokenize_needs_the_api_key(tiny_qwen3)
     ("POST", "/v1/completions", b'{"prompt": "hi", "guided_regex": "((", "guided_choice": ["a"]}', 400,
      "give one constraint"),
     ("POST", "/v1/chat/completions",
-     b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]}',
-     400, "tool_choice"),
+     b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": ""}}]}',
+     400, "tools[0].function.name"),
 ])
 def test_every_error_is_an_openai_error_body(server, method, path, content, status, needle):
     response = httpx.request(method, f"{server.url}{path}", content=content, timeout=30,

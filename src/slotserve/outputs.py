@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from slotserve.entrypoints.openai.tool_calls import ToolCall
+
 
 @dataclass
 class Logprob:
@@ -27,6 +29,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
+    tool_calls: list[ToolCall] | None = None  # `LLM.chat` with tools: the calls parsed out of `text`
 
     @property
     def finished(self) -> bool:

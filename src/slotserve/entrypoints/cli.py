@@ -217,6 +217,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from slotserve.engine.async_llm import EngineStartError
     from slotserve.entrypoints.openai.api_server import ServerSettings, serve
     from slotserve.entrypoints.openai.limits import RequestLimits
+    from slotserve.entrypoints.openai.reasoning import ReasoningParserKind
 
     if args.model_positional:
         args.model = args.model_positional
@@ -230,6 +231,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              image_fetch_timeout=args.image_fetch_timeout, max_image_bytes=args.max_image_bytes),
         log_interval=args.log_interval,
         engine_death_exit_delay=args.engine_death_exit_delay,
+        reasoning_parser=ReasoningParserKind(args.reasoning_parser) if args.reasoning_parser else None,
     )
 
     try:
@@ -339,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"most stop strings, and most stop token ids, per request (default {limits.max_stop})")
     g.add_argument("--max-logit-bias", type=int, default=limits.max_logit_bias,
                    help=f"most logit_bias entries per request (default {limits.max_logit_bias})")
+    p.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
+                   help="put what the model writes inside <think>...</think> into reasoning_content")
     g.add_argument("--allow-image-urls", action="store_true",
                    help="fetch images given by http(s) URL (default: data: URLs only)")
     g.add_argument("--image-fetch-timeout", type=float, default=limits.image_fetch_timeout,

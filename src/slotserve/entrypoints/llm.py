@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm import tqdm
 
 from slotserve.config import EngineConfig
 from slotserve.engine.llm_engine import LLMEngine
+from slotserve.entrypoints.openai.chat_output import check_tools, tool_grammar
+from slotserve.entrypoints.openai.tool_calls import messages_for_template, parse_tool_calls
 from slotserve.model_store import DEFAULT_MODEL
 from slotserve.multimodal.chat import flatten_messages
 from slotserve.multimodal.prompts import ImageLike
@@ -92,18 +95,35 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         use_tqdm: bool = True,
+        tool_choice: str | dict[str, Any] = "auto",
     ) -> list[RequestOutput]:
         """Renders each conversation with the model's chat template, then generates the reply. A message's
         content may be a list of parts: text, and images (`{"type": "image_url", "image_url": {"url": ...}}`
-        or `{"type": "image", "image": <a PIL image, bytes or a path>}`)."""
+        or `{"type": "image", "image": <a PIL image, bytes or a path>}`). With `tools` (OpenAI's form), each
+        output's `tool_calls` holds the calls parsed out of its text; `tool_choice` "required" or a named
+        function makes the model call (grammar-enforced), "none" leaves the text unparsed."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        functions = check_tools(tools, tool_choice)
+        grammar = tool_grammar(functions, tool_choice, {t: self.engine.tokenizer.backend.token_to_id(t)
+                                                        for t in ("<tool_call>", "</tool_call>")})
+        if grammar is not None:
+            params = _per_prompt(sampling_params, len(conversations))
+            if any(p.structured_outputs is not None for p in params):
+                raise ValueError("tool_choice: a required or named tool call cannot be combined with another "
+                                 "constraint (structured_outputs)")
+            sampling_params = [replace(p, structured_outputs=grammar) for p in params]
         prompts = [self.render_chat(c, chat_template_kwargs, tools, add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        if functions and tool_choice != "none":
+            for out in outputs:
+                for comp in out.outputs:
+                    comp.tool_calls = parse_tool_calls(comp.text).tool_calls
+        return outputs
 
     def render_chat(self, messages: list[Message], chat_template_kwargs: dict[str, Any] | None = None,
                     tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> Prompt:
         """The conversation as a prompt: its text, or with images the dict form `generate` takes."""
-        flat, images = flatten_messages(messages)
+        flat, images = flatten_messages(messages_for_template(messages))
         text = self.engine.tokenizer.apply_chat_template(
             flat, tools=tools, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
         return {"prompt": text, "multi_modal_data": {"image": images}} if images else text

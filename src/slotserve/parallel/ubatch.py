@@ -121,7 +121,9 @@ def run_ubatches(prepare: Callable[[int], S], run: Callable[[int, S], T], n: int
                  rank: int = 0) -> list[T]:
     """Runs micro-batches 0..n-1 on threads `ubatch-<i>`: each `prepare(i)` (at once, before the barrier),
     then, taking turns, `run(i, prepared)`. Their results in order, or UbatchError."""
-    barrier = threading.Barrier(n + 1, timeout=timeout_s)
+    # Only the caller's wait times out, so the micro-batches missing when it does are the ones to blame (a thread
+    # that timed out first would wake the stalled one, which would then seem to have arrived).
+    barrier = threading.Barrier(n + 1)
     ring = _Ring(n, timeout_s, barrier)
     arrived, results = [False] * n, [None] * n
     remaining = [n]
@@ -151,7 +153,7 @@ def run_ubatches(prepare: Callable[[int], S], run: Callable[[int, S], T], n: int
     for thread in threads:
         thread.start()
     try:
-        barrier.wait()
+        barrier.wait(timeout_s)
         ring.turn[0].set()
     except threading.BrokenBarrierError:
         missing = [i for i in range(n) if not arrived[i]]

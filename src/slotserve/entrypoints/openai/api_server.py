@@ -41,7 +41,9 @@ from slotserve.entrypoints.openai.protocol import (
     parse_body,
     require_model,
 )
+from slotserve.entrypoints.openai.reasoning import ReasoningParserKind
 from slotserve.entrypoints.openai.serving import ClientDisconnectedError, OpenAIServing, new_request_id
+from slotserve.entrypoints.openai.tool_calls import messages_for_template
 from slotserve.multimodal.chat import flatten_messages
 
 logger = logging.getLogger("slotserve")
@@ -60,6 +62,7 @@ class ServerSettings:
     limits: RequestLimits = field(default_factory=RequestLimits)
     log_interval: float = 10.0  # seconds between periodic stats lines; 0 turns them off
     engine_death_exit_delay: float = 5.0  # seconds of 503s after the engine died, before the server exits 1
+    reasoning_parser: ReasoningParserKind | None = None  # --reasoning-parser: reasoning_content split out
 
 
 @dataclass
@@ -119,7 +122,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
               exit_server: Callable[[int], None] | None = None) -> FastAPI:
     """`exit_server(code)` is called when the engine has died and the server should stop."""
     metrics = ServerMetrics(settings.model_name)
-    serving = OpenAIServing(engine, settings.model_name, metrics, settings.limits, settings.max_queued_requests)
+    serving = OpenAIServing(engine, settings.model_name, metrics, settings.limits, settings.max_queued_requests,
+                            settings.reasoning_parser)
     state = state or ServerState()
 
     @contextlib.asynccontextmanager
@@ -214,7 +218,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
             if body.messages is not None:
                 # Each image part counts as its one placeholder here: its size is known only once decoded.
                 text = engine.tokenizer.apply_chat_template(
-                    flatten_messages(body.messages)[0], add_generation_prompt=body.add_generation_prompt,
+                    flatten_messages(messages_for_template(body.messages))[0],
+                    add_generation_prompt=body.add_generation_prompt,
                     **(body.chat_template_kwargs or {}))
             elif body.prompt is not None:
                 text = body.prompt

@@ -168,6 +168,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
@@ -187,12 +188,6 @@ class ChatCompletionRequest(_SamplingFields):
                 raise ValueError(f"[{i}].role must be one of {', '.join(ROLES)}, got {message.get('role')!r}")
         return messages
 
-    def unsupported(self) -> None:
-        super().unsupported()
-        if self.tools and self.tool_choice != "none":
-            # As vLLM without a tool parser: tools can be rendered into the prompt, calls are not parsed.
-            raise bad_request("tool_choice: tool calls are not parsed by this server yet; pass tool_choice 'none' "
-                              "to only render the tools into the prompt", "tool_choice")
 
 
 class EmbeddingRequest(BaseModel):

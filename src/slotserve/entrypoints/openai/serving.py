@@ -10,7 +10,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
@@ -19,6 +19,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from slotserve.engine.async_llm import AsyncLLM, RequestStream
+from slotserve.entrypoints.openai.chat_output import (
+    ChatOutputOptions,
+    ChoiceParser,
+    check_tools,
+    message,
+    output_options,
+    tool_grammar,
+)
 from slotserve.entrypoints.openai.errors import as_server_error, unavailable
 from slotserve.entrypoints.openai.images import fetch_images
 from slotserve.entrypoints.openai.limits import RequestLimits
@@ -28,6 +36,8 @@ from slotserve.entrypoints.openai.protocol import (
     CompletionRequest,
     EmbeddingRequest,
 )
+from slotserve.entrypoints.openai.reasoning import ReasoningParserKind
+from slotserve.entrypoints.openai.tool_calls import messages_for_template
 from slotserve.multimodal.chat import flatten_messages
 from slotserve.multimodal.prompts import ImageLike
 from slotserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -82,9 +92,12 @@ class EngineStreamResponse(StreamingResponse):
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, model_name: str, metrics: ServerMetrics, limits: RequestLimits,
-                 max_queued_sequences: int | None = None) -> None:
+                 max_queued_sequences: int | None = None, reasoning_parser: ReasoningParserKind | None = None) -> None:
         self.engine, self.model_name, self.metrics, self.limits = engine, model_name, metrics, limits
         self.max_queued_sequences = max_queued_sequences
+        self.reasoning_parser = reasoning_parser
+        vocab = engine.tokenizer.backend
+        self._tag_ids = {tag: vocab.token_to_id(tag) for tag in ("<tool_call>", "</tool_call>")}
         self._starting = 0  # sequences of requests still being tokenized: counted against the queue limit
 
     # ---- endpoints ----------------------------------------------------------------------------
@@ -116,18 +129,30 @@ class OpenAIServing:
             raise ValueError("top_logprobs: needs logprobs to be true")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling_params(max_tokens, (top or 0) if body.logprobs else None)
+        functions = check_tools(body.tools, body.tool_choice)
+        calls_tools = bool(functions) and body.tool_choice != "none"
+        grammar = tool_grammar(functions, body.tool_choice, self._tag_ids, body.parallel_tool_calls) \
+            if calls_tools else None
+        if grammar is not None:
+            if params.structured_outputs is not None:
+                raise ValueError("tool_choice: a required or named tool call cannot be combined with another "
+                                 "constraint (response_format, structured_outputs)")
+            params = replace(params, structured_outputs=grammar)
         prompt, images = await asyncio.to_thread(self._render, body)
+        options = output_options(prompt, self.reasoning_parser is not None, calls_tools)
         streams = await self._start(request_id, [prompt], params, await fetch_images(images, self.limits))
         if body.stream:
-            return self._sse(streams, self._chat_chunks(body, request_id, streams, params))
+            return self._sse(streams, self._chat_chunks(body, request_id, streams, params, options))
         choices, usage = await self._collect(raw, streams, params)
+        messages = [message(c.text, options) for c in choices]
         return JSONResponse({
             "id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()),
             "model": self.model_name, "usage": usage,
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            "choices": [{"index": c.index, "message": m,
+                         "finish_reason": "tool_calls" if "tool_calls" in m and c.finish_reason == "stop"
+                         else c.finish_reason, "stop_reason": c.stop_reason,
                          "logprobs": _chat_logprobs(c.logprobs, top) if body.logprobs else None}
-                        for c in choices],
+                        for c, m in zip(choices, messages, strict=True)],
         })
 
     async def embeddings(self, body: EmbeddingRequest, raw: Request, request_id: str):
@@ -154,7 +179,7 @@ class OpenAIServing:
 
     def _render(self, body: ChatCompletionRequest) -> tuple[str, list[ImageLike]]:
         """The prompt, and the images of its placeholders in order."""
-        messages, images = flatten_messages(body.messages)
+        messages, images = flatten_messages(messages_for_template(body.messages))
         try:
             return self.engine.tokenizer.apply_chat_template(
                 messages, tools=body.tools, add_generation_prompt=body.add_generation_prompt,
@@ -252,7 +277,7 @@ class OpenAIServing:
         base = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
         tracker = self.metrics.track(request_id, sum(len(s.prompt_token_ids) for s in streams))
-        async for chunk in self._stream_choices(streams, params, base, tracker, lambda comp: {
+        async for chunk in self._stream_choices(streams, params, base, tracker, lambda _i, comp: {
                 "text": comp.text,
                 "logprobs": _completion_logprobs(comp.logprobs) if body.logprobs is not None else None}):
             yield chunk
@@ -260,7 +285,7 @@ class OpenAIServing:
             yield {**base, "choices": [], "usage": tracker.usage()}
 
     async def _chat_chunks(self, body: ChatCompletionRequest, request_id: str, streams: list[RequestStream],
-                           params: SamplingParams) -> AsyncIterator[dict[str, Any]]:
+                           params: SamplingParams, options: ChatOutputOptions) -> AsyncIterator[dict[str, Any]]:
         base = {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.model_name}
         top = body.top_logprobs or 0
@@ -268,9 +293,18 @@ class OpenAIServing:
         for j in range(params.n):
             yield {**base, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]}
-        async for chunk in self._stream_choices(streams, params, base, tracker, lambda comp: {
-                "delta": {"content": comp.text} if comp.text else {},
-                "logprobs": _chat_logprobs(comp.logprobs, top) if body.logprobs else None}):
+        parsers: dict[tuple[int, int], ChoiceParser] = {}
+
+        def render(i: int, comp: CompletionOutput) -> dict[str, Any]:
+            parser = parsers.setdefault((i, comp.index), ChoiceParser(options))
+            done = comp.finish_reason is not None
+            out = {"delta": parser.feed(comp.text, last=done),
+                   "logprobs": _chat_logprobs(comp.logprobs, top) if body.logprobs else None}
+            if done and parser.called and comp.finish_reason == "stop":
+                out["finish_reason"] = "tool_calls"
+            return out
+
+        async for chunk in self._stream_choices(streams, params, base, tracker, render):
             yield chunk
         if body.stream_options and body.stream_options.include_usage:
             yield {**base, "choices": [], "usage": tracker.usage()}
@@ -284,11 +318,11 @@ class OpenAIServing:
                 for comp in out.outputs:
                     if not comp.text and not comp.token_ids and comp.finish_reason is None:
                         continue
-                    choice = {"index": i * params.n + comp.index, **render(comp),
-                              "finish_reason": comp.finish_reason}
+                    choice = {"index": i * params.n + comp.index, "finish_reason": comp.finish_reason,
+                              **render(i, comp)}
                     if comp.finish_reason is not None:
                         choice["stop_reason"] = comp.stop_reason
-                        reasons.append(comp.finish_reason)
+                        reasons.append(choice["finish_reason"])
                     yield {**base, "choices": [choice]}
         finally:
             tracker.finish(*(reasons or ["abort"]))
