@@ -136,6 +136,7 @@ def test_a_grammar_that_fails_in_the_core_ends_its_request_alone(tiny_qwen3, mon
         llm.engine.kv.pool.check_whole()
 
 
+@pytest.mark.slow
 def test_bench_structured_prints_its_figures(tiny_qwen3):
     import subprocess
     import sys

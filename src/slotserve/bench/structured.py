@@ -24,6 +24,7 @@ SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}, "year": 
 def run_structured(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(0)
     compile_s = _compile_seconds(engine, args.schemas)
+    _decode_step_ms(engine, args, 0, rng)  # warm-up: the first decode steps of a fresh engine run slower
     steps = {}
     for constrained in sorted({0, 1, args.batch}):
         steps[constrained] = _decode_step_ms(engine, args, constrained, rng)
