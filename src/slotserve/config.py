@@ -264,6 +264,8 @@ class EngineConfig:
     expert_comm: ExpertCommKind = ExpertCommKind.ALL_TO_ALL
     distributed_executor_backend: ExecutorBackend | None = None  # None: mp when tensor_parallel_size > 1
     distributed_timeout: float = 120.0  # seconds any collective or worker reply may take before the engine dies
+    # The watchdog (engine/diagnostics.py) reports a core loop that has had work this long without finishing a step.
+    stall_timeout: float = 300.0
     # Micro-batch overlap (parallel/ubatch.py): a step of at least the threshold's tokens (decode-only steps,
     # others) runs as this many micro-batches, one computing while another's collectives travel. 1: off.
     ubatches: int = 1
@@ -288,6 +290,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        if not isinstance(self.stall_timeout, int | float) or self.stall_timeout <= 0:
+            raise ValueError(f"stall_timeout: must be a positive number of seconds, got {self.stall_timeout!r}")
         if not isinstance(self.limit_mm_per_prompt, int) or self.limit_mm_per_prompt < 0:
             raise ValueError(f"limit_mm_per_prompt: must be a non-negative integer, got {self.limit_mm_per_prompt!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -279,13 +279,21 @@ class AsyncLLM:
             raise EngineDeadError(f"engine core did not take a message within {timeout:.0f} s") from None
 
     async def stats(self, timeout: float = 5.0) -> EngineStats:
+        return await self._ask("stats", timeout)
+
+    async def debug(self, timeout: float = 5.0) -> dict:
+        """The engine process's snapshot: threads and stacks, queues, scheduler, recent steps, watchdog. The IPC
+        loop answers it, so it comes back while the core loop is stuck."""
+        return await self._ask("debug", timeout)
+
+    async def _ask(self, kind: str, timeout: float):
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
         token = next(self._tokens)
         waiter = asyncio.get_running_loop().create_future()
         self._stats_waiters[token] = waiter
         try:
-            await self._send(CoreCommand("stats", token=token), timeout)
+            await self._send(CoreCommand(kind, token=token), timeout)
             return await asyncio.wait_for(waiter, timeout)
         finally:
             self._stats_waiters.pop(token, None)
@@ -302,10 +310,10 @@ class AsyncLLM:
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
                         stream.put(out)
-            elif event.kind == "stats":
+            elif event.kind in ("stats", "debug"):
                 waiter = self._stats_waiters.get(event.token)
                 if waiter is not None and not waiter.done():
-                    waiter.set_result(event.stats)
+                    waiter.set_result(event.stats if event.kind == "stats" else event.debug)
             elif event.kind == "error":
                 stream = self._streams.get(event.request_id)
                 if stream is not None:

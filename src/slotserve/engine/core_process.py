@@ -17,6 +17,7 @@ import os
 import queue
 import signal
 import threading
+import time
 import traceback
 from collections.abc import Callable
 
@@ -24,7 +25,8 @@ import zmq
 
 from slotserve.config import EngineConfig
 from slotserve.distributed.executor import WorkerError
-from slotserve.engine import faults
+from slotserve.engine import diagnostics, faults
+from slotserve.engine.diagnostics import ThreadSampler, Watchdog
 from slotserve.engine.engine_core import EngineCore
 from slotserve.engine.faults import FaultPoint
 from slotserve.engine.output_processor import OutputProcessor
@@ -61,7 +63,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         events.close(linger=2000)
         events_ctx.term()
         return
-    server = _CoreServer(ctx, core, OutputProcessor(tokenizer, delta=True), input_address, events, parent)
+    server = _CoreServer(ctx, core, OutputProcessor(tokenizer, delta=True), input_address, events, parent,
+                         config.stall_timeout)
     events.send(encode(CoreEvent("ready", max_model_len=core.max_model_len, vocab_size=core.vocab_size,
                                  hidden_size=core.model_config.hidden_size, task=core.task)))
     clean = server.run()
@@ -74,7 +77,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
 
 class _CoreServer:
     def __init__(self, ctx: zmq.Context, core: EngineCore, processor: OutputProcessor, input_address: str,
-                 events: zmq.Socket, parent_pid: int) -> None:
+                 events: zmq.Socket, parent_pid: int, stall_timeout: float) -> None:
         self.ctx, self.core, self.processor = ctx, core, processor
         self.input_address, self.events, self.parent_pid = input_address, events, parent_pid
         self.to_core: queue.Queue[CoreCommand] = queue.Queue()
@@ -82,6 +85,9 @@ class _CoreServer:
         self.outbox = "inproc://slotserve-outbox"
         self.fatal: str | None = None  # why a thread died; set once
         self._fatal_lock = threading.Lock()
+        self.threads = ThreadSampler()  # each thread's CPU share, sampled by the IPC loop once a second
+        self.watchdog = Watchdog(stall_timeout)
+        self._next_sample = 0.0
 
     def run(self) -> bool:
         """Serves until shutdown (True), or until a thread dies or the front end is gone (False)."""
@@ -137,6 +143,9 @@ class _CoreServer:
                 ready = dict(poller.poll(timeout=_POLL_MS))
                 if self.fatal is not None:
                     return False
+                if time.monotonic() >= self._next_sample:
+                    self._next_sample = time.monotonic() + 1.0
+                    self._sample()
                 if os.getppid() != self.parent_pid:
                     logger.error("the front end (pid %d) is gone; the engine core exits", self.parent_pid)
                     return False
@@ -164,7 +173,34 @@ class _CoreServer:
             commands.close(linger=0)
             outbox_reader.close(linger=0)
 
+    def _sample(self) -> None:
+        """Once a second: the threads' CPU shares, and the watchdog's look at the core loop."""
+        self.threads.sample()
+        busy = self.core.has_unfinished_requests() or not self.to_core.empty()
+        if self.watchdog.check(busy, time.monotonic() - self.core.step_log.last_end):
+            logger.error("EngineCoreLoop has had work for %.0f s without finishing a step (--stall-timeout): it may "
+                         "be stuck\n%s", self.watchdog.limit_s, diagnostics.report(self.snapshot()))
+
+    def snapshot(self) -> dict:
+        """What /debug/engine shows of this process; taken by the IPC loop, so it answers while the core is stuck."""
+        core, kv = self.core, self.core.kv
+        return {
+            "pid": os.getpid(),
+            "threads": diagnostics.threads(self.threads),
+            "queues": {"input": self.to_core.qsize(), "output_processor": self.to_processor.qsize()},
+            "scheduler": {"running": len(core.scheduler.running), "waiting": len(core.scheduler.waiting),
+                          "preemptions": core.scheduler.num_preemptions, "kv_blocks": kv.pool.num_blocks,
+                          "kv_blocks_free": kv.pool.num_free, "kv_blocks_cached": kv.pool.num_cached},
+            "steps": core.step_log.recent(),
+            "seconds_since_last_step": round(time.monotonic() - core.step_log.last_end, 3),
+            "watchdog": {"stall_timeout": self.watchdog.limit_s, "stalled_since": self.watchdog.stalled_since,
+                         "stalls": self.watchdog.reports},
+        }
+
     def _route(self, command: CoreCommand) -> None:
+        if command.kind == "debug":  # answered here, not by the core loop, which may be the one stuck
+            self.events.send(encode(CoreEvent("debug", debug=self.snapshot(), token=command.token)))
+            return
         if command.kind == "add":
             # The output processor learns of a request before the core can produce anything for it.
             self.to_processor.put(("add", command.request))
@@ -183,6 +219,8 @@ class _CoreServer:
                 # step each; block only when there is nothing to run.
                 block = not self.core.has_unfinished_requests()
                 commands = [self.to_core.get()] if block else []
+                if block:
+                    self.core.step_log.woke()  # idle time is not a stall
                 while True:
                     try:
                         commands.append(self.to_core.get_nowait())
@@ -194,6 +232,8 @@ class _CoreServer:
                     self._apply(command, outbox)
                 if self.core.has_unfinished_requests():
                     faults.check(FaultPoint.CORE_STEP)
+                    if faults.fires(FaultPoint.CORE_STALL):  # a test's: a step that hangs for a while
+                        time.sleep(faults.STALL_SECONDS)
                     outputs = self.core.step()
                     if outputs:
                         self.to_processor.put(("outputs", outputs))

@@ -20,6 +20,7 @@ from slotserve.distributed.executor import Executor, start_executor
 from slotserve.distributed.group import UNSPLIT, ModelParallel
 from slotserve.distributed.process_groups import init_rank_group, lanes, leave_rank_group
 from slotserve.distributed.worker import rank_cpu_settings
+from slotserve.engine.diagnostics import StepLog, StepRecord
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, SeqResult, UbatchPolicy, Want
 from slotserve.engine.request import EngineCoreOutput, EngineCoreRequest, Request
 from slotserve.engine.scheduler import Scheduler
@@ -108,6 +109,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
+        self.step_log = StepLog()
         self.grammars = GrammarCompiler(Path(model_path) / "tokenizer.json", self.vocab_size,
                                         sorted(self.eos_token_ids))
         self.load_seconds = time.perf_counter() - start
@@ -216,6 +218,7 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """One forward pass over every scheduled request; an output for each that sampled a token."""
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
         failed = self._failed_grammars(plan.scheduled)
         if not plan.scheduled:
@@ -231,7 +234,9 @@ class EngineCore:
             vision = req.images.vision(start, start + num_new) if req.images is not None else None
             seqs.append(ScheduledSeq(req.token_ids(start, start + num_new), start, req.block_table,
                                      want=want if last_chunk or scores_prompt else Want.NONE, vision=vision))
+        scheduled = time.perf_counter()
         results = self.execute(seqs)
+        ran = time.perf_counter()
         outputs, sampling = [], []
         for (req, num_new), seq, result in zip(plan.scheduled, seqs, results, strict=True):
             if seq.want is Want.ALL:
@@ -250,6 +255,9 @@ class EngineCore:
             sampled = self.sampler(_one_tensor([row for _, row in sampling]), [r.sampling for r, _ in sampling])
             outputs += [self._append(req, sampled.token_ids[i], sampled.logprobs[i])
                         for i, (req, _) in enumerate(sampling)]
+        end = time.perf_counter()
+        self.step_log.add(StepRecord(time.time(), end - start, scheduled - start, ran - scheduled, end - ran,
+                                     len(seqs), sum(len(s.token_ids) for s in seqs)))
         return failed + outputs
 
     def _failed_grammars(self, scheduled: list[tuple[Request, int]]) -> list[EngineCoreOutput]:

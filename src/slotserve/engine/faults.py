@@ -10,6 +10,7 @@ import enum
 import os
 
 FAULT_ENV = "SLOTSERVE_FAULT"
+STALL_SECONDS = 6.0
 
 
 class FaultPoint(enum.Enum):
@@ -21,6 +22,7 @@ class FaultPoint(enum.Enum):
     WORKER_HANG = "worker-hang"  # a worker rank, before each step: it stops answering
     UBATCH_RAISE = "ubatch-raise"  # a micro-batch, at each collective it waits on: it raises, the collective in flight
     UBATCH_STALL = "ubatch-stall"  # a micro-batch thread, before the barrier: it never arrives (until the step fails)
+    CORE_STALL = "core-stall"  # EngineCoreLoop, before each engine step: it sleeps STALL_SECONDS (a stuck step)
 
 
 class InjectedFault(RuntimeError):

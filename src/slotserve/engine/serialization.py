@@ -7,6 +7,7 @@ nothing but the declared fields.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -19,7 +20,7 @@ from slotserve.outputs import EmbeddingOutput, RequestOutput
 class CoreCommand:
     """Front end -> engine core."""
 
-    kind: str  # "add" | "abort" | "stats" | "shutdown"
+    kind: str  # "add" | "abort" | "stats" | "debug" | "shutdown"
     request: ProcessedRequest | None = None
     request_ids: list[str] | None = None  # abort: the user request ids
     sequence_ids: list[str] | None = None  # abort: their sequences in the core
@@ -30,7 +31,7 @@ class CoreCommand:
 class CoreEvent:
     """Engine core -> front end."""
 
-    kind: str  # "ready" | "outputs" | "stats" | "error" | "dead"
+    kind: str  # "ready" | "outputs" | "stats" | "debug" | "error" | "dead"
     outputs: list[RequestOutput] | None = None
     embeddings: list[EmbeddingOutput] | None = None
     stats: EngineStats | None = None
@@ -41,6 +42,7 @@ class CoreEvent:
     vocab_size: int = 0
     hidden_size: int = 0
     task: str = ""
+    debug: dict[str, Any] | None = None  # debug: the engine process's snapshot (engine/diagnostics.py)
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -212,6 +212,7 @@ def engine_config(args: argparse.Namespace):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
+    import dataclasses
     import os
 
     from slotserve.engine.async_llm import EngineStartError
@@ -221,7 +222,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.model_positional:
         args.model = args.model_positional
-    config = engine_config(args)
+    config = dataclasses.replace(engine_config(args), stall_timeout=args.stall_timeout)
     settings = ServerSettings(
         model_name=args.served_model_name or args.model,
         api_key=args.api_key or os.environ.get("SLOTSERVE_API_KEY") or None,
@@ -232,6 +233,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_interval=args.log_interval,
         engine_death_exit_delay=args.engine_death_exit_delay,
         reasoning_parser=ReasoningParserKind(args.reasoning_parser) if args.reasoning_parser else None,
+        # The snapshot shows code paths and queue contents: on for a server only this machine reaches.
+        debug_endpoints=args.debug_endpoints == "on" or (args.debug_endpoints == "auto"
+                                                         and args.host in ("127.0.0.1", "localhost", "::1")),
     )
 
     try:
@@ -341,6 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"most stop strings, and most stop token ids, per request (default {limits.max_stop})")
     g.add_argument("--max-logit-bias", type=int, default=limits.max_logit_bias,
                    help=f"most logit_bias entries per request (default {limits.max_logit_bias})")
+    p.add_argument("--debug-endpoints", default="auto", choices=["auto", "on", "off"],
+                   help="GET /debug/engine: threads, stacks, queues, steps (auto: on for a loopback --host)")
+    p.add_argument("--stall-timeout", type=float, default=300.0,
+                   help="seconds the core loop may have work without finishing a step before the watchdog reports it")
     p.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
                    help="put what the model writes inside <think>...</think> into reasoning_content")
     g.add_argument("--allow-image-urls", action="store_true",

@@ -34,6 +34,11 @@ class BlockPool:
         return len(self._free)
 
     @property
+    def num_cached(self) -> int:
+        """Blocks findable by the prefix cache (in use or free until reused)."""
+        return len(self._cached)
+
+    @property
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_blocks
 

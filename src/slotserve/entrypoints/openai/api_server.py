@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
 
 from slotserve.config import EngineConfig
+from slotserve.engine import diagnostics
 from slotserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestAbortedError
 from slotserve.entrypoints.openai.errors import ServerError, as_server_error, bad_request, unavailable
 from slotserve.entrypoints.openai.limits import RequestLimits
@@ -63,6 +65,7 @@ class ServerSettings:
     log_interval: float = 10.0  # seconds between periodic stats lines; 0 turns them off
     engine_death_exit_delay: float = 5.0  # seconds of 503s after the engine died, before the server exits 1
     reasoning_parser: ReasoningParserKind | None = None  # --reasoning-parser: reasoning_content split out
+    debug_endpoints: bool = False  # GET /debug/engine (--debug-endpoints; on by default on a loopback address)
 
 
 @dataclass
@@ -243,6 +246,20 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
         if bad:
             raise bad_request(f"tokens: ids {bad[:5]} are outside the vocabulary", "tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    if settings.debug_endpoints:
+        front_end_threads = diagnostics.ThreadSampler()
+
+        @app.get("/debug/engine")
+        async def debug_engine():
+            """Both processes' threads with their stacks, the engine's queues, scheduler and recent steps."""
+            front_end_threads.sample()  # CPU shares since the previous call
+            try:
+                snapshot = await engine.debug(timeout=5.0)
+            except (EngineDeadError, TimeoutError) as e:
+                snapshot = {"error": f"{type(e).__name__}: {e}"}
+            return {"engine": snapshot, "front_end": {"pid": os.getpid(),
+                                                      "threads": diagnostics.threads(front_end_threads)}}
 
     @app.get("/health")
     async def health():

@@ -1,0 +1,99 @@
+"""GET /debug/engine and the stall watchdog against a real server: the engine's three named threads with their
+stacks (waiting on the queue when idle, in the model while generating), the queues back at 0 after load, and a
+core loop stalled on purpose reported within the watchdog's limit, naming the stalled thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from slotserve.engine.faults import FaultPoint, fault_spec
+from tests.servers import Server
+
+ENGINE_THREADS = {"IPCLoop", "EngineCoreLoop", "OutputProcessor"}
+
+
+def snapshot(server: Server) -> dict:
+    response = httpx.get(f"{server.url}/debug/engine", timeout=30)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def core_stack(snap: dict) -> list[str]:
+    return next(t["stack"] for t in snap["engine"]["threads"] if t["name"] == "EngineCoreLoop")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3):
+    s = Server(tiny_qwen3)
+    yield s
+    s.stop()
+
+
+def test_the_snapshot_shows_the_engine_threads_and_where_they_are(server):
+    idle = snapshot(server)
+    names = {t["name"] for t in idle["engine"]["threads"]}
+    assert names >= ENGINE_THREADS
+    assert all(t["stack"] for t in idle["engine"]["threads"] if t["name"] in ENGINE_THREADS)
+    assert any("get" in frame for frame in core_stack(idle)[-3:]), core_stack(idle)  # parked on its queue
+    assert idle["engine"]["queues"] == {"input": 0, "output_processor": 0}
+    assert idle["front_end"]["threads"] and idle["engine"]["watchdog"]["stalled_since"] is None
+
+    done = threading.Event()
+
+    def generate() -> None:
+        httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+            "prompt": "hello " * 200, "max_tokens": 400, "ignore_eos": True, "temperature": 0})
+        done.set()
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    stacks, busy = [], []
+    while not done.is_set() and len(stacks) < 200:
+        snap = snapshot(server)
+        stacks.append(core_stack(snap))
+        busy.append(snap["engine"]["scheduler"]["running"])
+    worker.join()
+    assert any(any("forward" in f or "execute" in f for f in stack) for stack in stacks), stacks[:3]
+    assert max(busy) == 1
+    after = snapshot(server)["engine"]
+    assert after["queues"] == {"input": 0, "output_processor": 0} and after["scheduler"]["running"] == 0
+    step = after["steps"][-1]
+    assert step["sequences"] == 1 and step["model_seconds"] > 0 and step["seconds"] >= step["model_seconds"]
+
+
+def test_the_watchdog_reports_a_stalled_core_loop(tiny_qwen3):
+    """The core loop sleeps in one step (a fault hook) for longer than --stall-timeout: the watchdog logs every
+    thread's stack once, naming EngineCoreLoop, and /debug/engine shows the stall; the request then finishes."""
+    s = Server(tiny_qwen3, "--stall-timeout", "1", env=fault_spec(FaultPoint.CORE_STALL, 3))
+    try:
+        result = {}
+        worker = threading.Thread(target=lambda: result.update(r=httpx.post(
+            f"{s.url}/v1/completions", timeout=60, json={"prompt": "hi", "max_tokens": 8, "ignore_eos": True})))
+        started = time.monotonic()
+        worker.start()
+        while "without finishing a step" not in s.output():
+            assert time.monotonic() - started < 5, s.output()
+            time.sleep(0.1)
+        report = s.output().split("EngineCoreLoop has had work for 1 s without finishing a step")[1]
+        assert "thread IPCLoop" in report and "thread OutputProcessor" in report
+        stalled = report.split("thread EngineCoreLoop")[1].split("thread ")[0]
+        assert stalled.strip().splitlines()[-1].endswith("_core_loop")  # in the hook's sleep, inside the loop
+        snap = snapshot(s)["engine"]
+        assert snap["watchdog"]["stalled_since"] is not None and snap["watchdog"]["stalls"] == 1
+        assert core_stack({"engine": snap})[-1].endswith("_core_loop")
+        worker.join()
+        assert result["r"].status_code == 200
+    finally:
+        s.stop()
+
+
+def test_the_endpoint_is_off_when_asked(tiny_qwen3):
+    s = Server(tiny_qwen3, "--debug-endpoints", "off")
+    try:
+        assert httpx.get(f"{s.url}/debug/engine", timeout=10).status_code == 404
+    finally:
+        s.stop()
