@@ -97,3 +97,14 @@ def test_the_endpoint_is_off_when_asked(tiny_qwen3):
         assert httpx.get(f"{s.url}/debug/engine", timeout=10).status_code == 404
     finally:
         s.stop()
+
+
+def test_metrics_show_queues_threads_and_step_histograms(server):
+    httpx.post(f"{server.url}/v1/completions", timeout=60, json={"prompt": "hi", "max_tokens": 4})
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    assert 'slotserve:engine_queue_depth{model_name="tiny",queue="input"} 0.0' in text
+    assert 'slotserve:thread_cpu_share{model_name="tiny",process="engine",thread="EngineCoreLoop"}' in text
+    assert 'slotserve:engine_stalled{model_name="tiny"} 0.0' in text
+    for phase in ("step", "schedule", "model", "sample"):
+        assert f'slotserve:engine_step_seconds_count{{model_name="tiny",phase="{phase}"}}' in text
+    assert 'vllm:iteration_tokens_total_bucket{le="+Inf",model_name="tiny"}' in text

@@ -192,6 +192,7 @@ class _CoreServer:
                           "preemptions": core.scheduler.num_preemptions, "kv_blocks": kv.pool.num_blocks,
                           "kv_blocks_free": kv.pool.num_free, "kv_blocks_cached": kv.pool.num_cached},
             "steps": core.step_log.recent(),
+            "step_histograms": core.step_log.histograms(),
             "seconds_since_last_step": round(time.monotonic() - core.step_log.last_end, 3),
             "watchdog": {"stall_timeout": self.watchdog.limit_s, "stalled_since": self.watchdog.stalled_since,
                          "stalls": self.watchdog.reports},

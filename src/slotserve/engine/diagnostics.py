@@ -19,6 +19,9 @@ from dataclasses import asdict, dataclass
 # Innermost frames kept per thread: enough to tell the forward pass from the scheduler from a queue wait.
 STACK_DEPTH = 12
 RECENT_STEPS = 64
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)  # vLLM's iteration_tokens_total
+PHASES = ("step", "schedule", "model", "sample")
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -35,16 +38,43 @@ class StepRecord:
     tokens: int
 
 
+class Histogram:
+    """Cumulative counts per upper bound, as Prometheus exposes them, kept where the observations happen."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds, self.counts, self.count, self.sum = bounds, [0] * len(bounds), 0, 0.0
+
+    def observe(self, value: float) -> None:
+        self.count += 1
+        self.sum += value
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[i] += 1
+
+    def as_dict(self) -> dict:
+        return {"bounds": list(self.bounds), "counts": list(self.counts), "count": self.count, "sum": self.sum}
+
+
 class StepLog:
-    """The last steps, appended by the core loop, read by any thread."""
+    """The last steps and every step's times and tokens as histograms, appended by the core loop, read by any
+    thread."""
 
     def __init__(self) -> None:
         self.steps: deque[StepRecord] = deque(maxlen=RECENT_STEPS)
         self.last_end = time.monotonic()  # of the last step, or of the start
+        self.seconds = {phase: Histogram(STEP_BUCKETS) for phase in PHASES}
+        self.tokens = Histogram(TOKEN_BUCKETS)
 
     def add(self, record: StepRecord) -> None:
         self.steps.append(record)
         self.last_end = time.monotonic()
+        for phase, value in zip(PHASES, (record.seconds, record.schedule_seconds, record.model_seconds,
+                                         record.sample_seconds), strict=True):
+            self.seconds[phase].observe(value)
+        self.tokens.observe(record.tokens)
+
+    def histograms(self) -> dict:
+        return {"seconds": {phase: h.as_dict() for phase, h in self.seconds.items()}, "tokens": self.tokens.as_dict()}
 
     def woke(self) -> None:
         """The core loop got work after waiting for it: the wait was idle time, not a stall."""

@@ -247,13 +247,13 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
             raise bad_request(f"tokens: ids {bad[:5]} are outside the vocabulary", "tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
+    front_end_threads = diagnostics.ThreadSampler()  # CPU shares since the previous sample
     if settings.debug_endpoints:
-        front_end_threads = diagnostics.ThreadSampler()
 
         @app.get("/debug/engine")
         async def debug_engine():
             """Both processes' threads with their stacks, the engine's queues, scheduler and recent steps."""
-            front_end_threads.sample()  # CPU shares since the previous call
+            front_end_threads.sample()
             try:
                 snapshot = await engine.debug(timeout=5.0)
             except (EngineDeadError, TimeoutError) as e:
@@ -274,6 +274,9 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     @app.get("/metrics")
     async def prometheus():
         with contextlib.suppress(EngineDeadError, TimeoutError):
+            # The snapshot first: the IPC loop answers it even while the core loop, which answers stats, is stuck.
+            front_end_threads.sample()
+            metrics.update_diagnostics(await engine.debug(timeout=2.0), diagnostics.threads(front_end_threads))
             metrics.update_engine(await engine.stats(timeout=2.0))
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 

@@ -6,6 +6,7 @@ import logging
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
 
 from slotserve.engine.engine_core import EngineStats
 from slotserve.outputs import RequestOutput
@@ -45,6 +46,14 @@ class ServerMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
         self.itl = histogram("inter_token_latency_seconds", "Time between streamed deltas")
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to last token")
+        # From the engine's diagnostics snapshot (engine/diagnostics.py), at each scrape.
+        self.queue_depth = Gauge("slotserve:engine_queue_depth", "Items waiting in a queue between the engine's "
+                                 "threads", ["model_name", "queue"], registry=self.registry)
+        self.thread_cpu = Gauge("slotserve:thread_cpu_share", "A thread's CPU share over the last second (1 = a core)",
+                                ["model_name", "process", "thread"], registry=self.registry)
+        self.stalled = gauge("engine_stalled", "1 while the watchdog sees the core loop stalled (--stall-timeout)")
+        self.steps = _StepHistograms(model_name)
+        self.registry.register(self.steps)
 
     def track(self, request_id: str, prompt_tokens: int) -> RequestTracker:
         return RequestTracker(self, request_id, prompt_tokens)
@@ -56,6 +65,17 @@ class ServerMetrics:
         self.kv_blocks.set(stats.num_blocks)
         self.kv_free_blocks.set(stats.num_free_blocks)
         self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
+
+    def update_diagnostics(self, engine: dict, front_end_threads: list[dict]) -> None:
+        for queue, depth in engine["queues"].items():
+            self.queue_depth.labels(model_name=self.model_name, queue=queue).set(depth)
+        for process, threads in (("engine", engine["threads"]), ("front_end", front_end_threads)):
+            for t in threads:
+                if t["cpu_share"] is not None:
+                    self.thread_cpu.labels(model_name=self.model_name, process=process, thread=t["name"]).set(
+                        t["cpu_share"])
+        self.stalled.set(engine["watchdog"]["stalled_since"] is not None)
+        self.steps.latest = engine["step_histograms"]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -103,3 +123,30 @@ class RequestTracker:
     def usage(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+class _StepHistograms:
+    """The engine's step histograms, kept cumulative in the engine process and exposed as they were last read:
+    the time of each step and of its phases, and the tokens each step computed (vLLM's iteration_tokens_total)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name, self.latest = model_name, None
+
+    def collect(self):
+        if self.latest is None:
+            return
+        seconds = HistogramMetricFamily("slotserve:engine_step_seconds", "Engine step time, whole and by phase "
+                                        "(schedule, model, sample)", labels=["model_name", "phase"])
+        for phase, h in self.latest["seconds"].items():
+            seconds.add_metric([self.model_name, phase], _buckets(h), h["sum"])
+        yield seconds
+        tokens = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens computed per engine step",
+                                       labels=["model_name"])
+        h = self.latest["tokens"]
+        tokens.add_metric([self.model_name], _buckets(h), h["sum"])
+        yield tokens
+
+
+def _buckets(h: dict) -> list[tuple[str, int]]:
+    return [*((str(bound), count) for bound, count in zip(h["bounds"], h["counts"], strict=True)),
+            ("+Inf", h["count"])]
