@@ -4,6 +4,10 @@ core loop stalled on purpose reported within the watchdog's limit, naming the st
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 import threading
 import time
 
@@ -108,3 +112,32 @@ def test_metrics_show_queues_threads_and_step_histograms(server):
     for phase in ("step", "schedule", "model", "sample"):
         assert f'slotserve:engine_step_seconds_count{{model_name="tiny",phase="{phase}"}}' in text
     assert 'vllm:iteration_tokens_total_bucket{le="+Inf",model_name="tiny"}' in text
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux for a real terminal")
+def test_slotserve_top_in_a_real_terminal(server):
+    """`slotserve top` in a tmux pane against the running server: the screen shows the three engine threads with
+    their hints, the queues and the scheduler lines, and refreshes."""
+    session = f"slotserve-top-{os.getpid()}"
+    command = f"{sys.executable} -m slotserve.entrypoints.cli top --url {server.url} --interval 0.5"
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "140", "-y", "40", command], check=True)
+    try:
+        screen = ""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and "scheduler:" not in screen:
+            time.sleep(0.5)
+            screen = subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True,
+                                    text=True).stdout
+        for name in ENGINE_THREADS:
+            assert name in screen, screen
+        assert "queues: input 0, output processor 0" in screen and "waiting for requests: idle" in screen
+        print(screen)  # the capture, for the record
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+def test_top_once_prints_one_view(server):
+    out = subprocess.run([sys.executable, "-m", "slotserve.entrypoints.cli", "top", "--url", server.url, "--once"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "EngineCoreLoop" in out.stdout and "scheduler:" in out.stdout

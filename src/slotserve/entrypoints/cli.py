@@ -245,6 +245,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
 
 
+def cmd_top(args: argparse.Namespace) -> int:
+    from slotserve.entrypoints.top import run_top
+
+    try:
+        return run_top(args)
+    except KeyboardInterrupt:
+        return 0
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from slotserve.model_store import cache_dir, list_models
 
@@ -359,6 +368,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"largest image download (default {limits.max_image_bytes >> 20}M)")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("top", help="a running server's engine threads, queues and steps, refreshed each second")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    p.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    p.add_argument("--once", action="store_true", help="print one view and exit")
+    p.set_defaults(func=cmd_top)
 
     p = sub.add_parser("models", help="list the model aliases and whether each is installed")
     p.add_argument("--json", action="store_true")
