@@ -47,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds to keep sending requests (at --max-concurrency) instead of --num-prompts")
     p.add_argument("--cancel-fraction", type=float, default=0.0,
                    help="share of the streams the client drops after a random number of tokens")
+    p.add_argument("--poll-debug", type=float, default=None, metavar="SECONDS",
+                   help="also GET /debug/engine every SECONDS during the run (what polling it costs the server)")
     p.add_argument("--settle-timeout", type=float, default=30.0,
                    help="seconds to wait afterwards for the server to report no sequence and every KV block free")
 
@@ -109,6 +111,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             cancel = rng.random() < args.cancel_fraction
             return body, rng.randrange(1, max(args.output_len, 2)) if cancel else None
 
+        polls = [0]
+        poller = asyncio.create_task(_poll(client, args.poll_debug, polls)) if args.poll_debug else None
         start = time.perf_counter()
         if args.duration is not None:
             results = await _for_duration(client, request, args.duration, args.max_concurrency or 1)
@@ -122,6 +126,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                     await asyncio.sleep(rng.expovariate(args.request_rate))
             results = await asyncio.gather(*tasks)
         seconds = time.perf_counter() - start
+        if poller is not None:
+            poller.cancel()
         after = await _settled(client, args.settle_timeout)
     done = [r for r in results if r.ok]
     cancelled = [r for r in results if r.cancelled]
@@ -142,6 +148,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "ttft_ms": _summary([r.ttft for r in done]),
         "tpot_ms": _summary(tpots),
         "itl_ms": _summary([x for r in done for x in r.itls]),
+        "debug_polls": polls[0],
         "after": after,
     }
 
@@ -158,6 +165,14 @@ async def _for_duration(client: httpx.AsyncClient, request, duration: float, con
 
     await asyncio.gather(*[client_loop() for _ in range(concurrency)])
     return results
+
+
+async def _poll(client: httpx.AsyncClient, every: float, polls: list[int]) -> None:
+    while True:
+        response = await client.get("/debug/engine")
+        response.raise_for_status()
+        polls[0] += 1
+        await asyncio.sleep(every)
 
 
 async def _settled(client: httpx.AsyncClient, timeout: float) -> dict[str, Any]:
