@@ -217,8 +217,9 @@ def _bench_serve(server, *args: str) -> dict:
 
 
 def test_bench_serve_reports_latencies(server):
-    figures = _bench_serve(server, "--num-prompts", "6", "--max-concurrency", "3")
+    figures = _bench_serve(server, "--num-prompts", "6", "--max-concurrency", "3", "--poll-debug", "0.05")
     assert figures["completed"] == 6 and figures["failed"] == 0 and figures["cancelled"] == 0
+    assert figures["debug_polls"] >= 1
     assert_figures(figures, "output_tokens_per_s", *(f"{name}.{stat}" for name in ("ttft_ms", "tpot_ms", "itl_ms")
                                                      for stat in ("mean", "median", "p99")))
     assert figures["after"]["settled"]
