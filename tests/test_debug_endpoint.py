@@ -95,6 +95,7 @@ def test_the_watchdog_reports_a_stalled_core_loop(tiny_qwen3):
         s.stop()
 
 
+@pytest.mark.slow
 def test_the_endpoint_is_off_when_asked(tiny_qwen3):
     s = Server(tiny_qwen3, "--debug-endpoints", "off")
     try:
@@ -114,6 +115,7 @@ def test_metrics_show_queues_threads_and_step_histograms(server):
     assert 'vllm:iteration_tokens_total_bucket{le="+Inf",model_name="tiny"}' in text
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux for a real terminal")
 def test_slotserve_top_in_a_real_terminal(server):
     """`slotserve top` in a tmux pane against the running server: the screen shows the three engine threads with
