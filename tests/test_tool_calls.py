@@ -124,7 +124,7 @@ def test_the_reasoning_parser_splits_the_think_block(server):
     kwargs = dict(model=MODEL, messages=ASK, max_tokens=200, temperature=1.0, seed=4,
                   extra_body={"guided_grammar": THINKING})
     message = client.chat.completions.create(**kwargs).choices[0].message
-    raw = client.completions.create(model=MODEL, prompt=server_prompt(server), max_tokens=200, temperature=1.0,
+    raw = client.completions.create(model=MODEL, prompt=rendered_prompt(), max_tokens=200, temperature=1.0,
                                     seed=4, extra_body={"guided_grammar": THINKING}).choices[0].text
     inside, after = raw.removeprefix("<think>").split("</think>")
     assert message.reasoning_content == inside and message.content == after.lstrip("\n")
@@ -139,7 +139,7 @@ def test_the_reasoning_parser_splits_the_think_block(server):
     assert getattr(off, "reasoning_content", None) is None and off.content
 
 
-def server_prompt(server) -> str:
+def rendered_prompt() -> str:
     """The chat prompt as the server renders it (the same template, with thinking on)."""
     from slotserve.tokenizer import Tokenizer
     from tests.conftest import QWEN_TOKENIZER_DIR

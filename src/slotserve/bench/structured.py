@@ -62,9 +62,9 @@ def _decode_step_ms(engine: LLMEngine, args: argparse.Namespace, constrained: in
 def _mask_ms(engine: LLMEngine, rows: int, repeats: int) -> float:
     """One step's masks for `rows` requests at the start of SCHEMA, on logits of the model's width."""
     future = engine.core.grammars.submit(StructuredOutputsParams(json=SCHEMA))
+    future.result()
     grammars = [Grammar(future) for _ in range(rows)]
     for g in grammars:
-        future.result()
         g.ready()
     logits = torch.randn(rows, engine.core.vocab_size)
     times = []

@@ -223,7 +223,8 @@ class EngineCore:
         failed = self._failed_grammars(plan.scheduled)
         if not plan.scheduled:
             return failed
-        self._encode_images(plan.scheduled)
+        scheduled = time.perf_counter()
+        self._encode_images(plan.scheduled)  # the vision tower's time counts as the model's
         seqs = []
         for req, num_new in plan.scheduled:
             start = req.num_computed_tokens
@@ -234,7 +235,6 @@ class EngineCore:
             vision = req.images.vision(start, start + num_new) if req.images is not None else None
             seqs.append(ScheduledSeq(req.token_ids(start, start + num_new), start, req.block_table,
                                      want=want if last_chunk or scores_prompt else Want.NONE, vision=vision))
-        scheduled = time.perf_counter()
         results = self.execute(seqs)
         ran = time.perf_counter()
         outputs, sampling = [], []

@@ -32,7 +32,6 @@ class ChoiceParser:
     """One choice's text, split as it streams."""
 
     def __init__(self, options: ChatOutputOptions) -> None:
-        self.options = options
         self.reasoning = ReasoningStream(starts_in_reasoning=options.starts_in_reasoning) if options.reasoning \
             else None
         self.tools = ToolCallStream() if options.tools else None
