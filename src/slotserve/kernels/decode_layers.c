@@ -38,7 +38,7 @@ typedef struct {
     long vocab, max_position;
     float eps, scale;
     const long *ids, *positions, *cache_indices; /* [tokens] */
-    const float *embedding;               /* [vocab][hidden] */
+    const float *embedding;               /* [vocab][hidden]; NULL: x holds the rows' embeddings */
     const float *cos_table, *sin_table;   /* [max_position][head_dim / 2] */
     const float *final_norm;
     const long *rows;
@@ -56,12 +56,12 @@ typedef struct {
 } slotserve_decode_step;
 
 /* out = in @ w^T + bias through the packed weight where it is packed and takes the step's rows (as
-   PackedWeight.runs decides for layers/linear.py: a narrow packing's few rows on few_rows.c, the rest on AMX),
-   else the small GEMM. */
+   PackedWeight.runs decides for layers/linear.py: a narrow packing's rows below min_rows on few_rows.c, the rest
+   on AMX), else the small GEMM (w is NULL only where the packing takes every row count). */
 static int linear(const float *in, const float *w, slotserve_packed_weight packed, const float *bias, float *out,
                   long T, long N, long K, const slotserve_decode_step *s) {
     if (packed.values && T <= packed.max_rows && (T >= packed.min_rows || packed.narrow))
-        return packed.narrow && T <= FEW ? slotserve_few_rows_gemm(in, &packed, bias, out, T, N, K, s->threads)
+        return packed.narrow && T < packed.min_rows ? slotserve_few_rows_gemm(in, &packed, bias, out, T, N, K, s->threads)
                                          : slotserve_amx_gemm(in, &packed, bias, out, T, N, K, s->threads);
     return slotserve_small_gemm(in, w, bias, out, T, N, K, s->threads);
 }
@@ -90,7 +90,8 @@ int slotserve_decode_layers(const slotserve_layer *layers, long num_layers, cons
     float *attn = k + T * kv_size, *o = attn + T * q_size, *gate_up = o + T * H, *act = gate_up + T * 2 * I;
     float *cos = act + T * I, *sin = cos + T * half;
     for (long t = 0; t < T; t++) {
-        memcpy(x + t * H, s->embedding + s->ids[t] * H, (size_t)H * sizeof(float));
+        if (s->embedding)
+            memcpy(x + t * H, s->embedding + s->ids[t] * H, (size_t)H * sizeof(float));
         memcpy(cos + t * half, s->cos_table + s->positions[t] * half, (size_t)half * sizeof(float));
         memcpy(sin + t * half, s->sin_table + s->positions[t] * half, (size_t)half * sizeof(float));
     }

@@ -1,4 +1,4 @@
-/* The few-row kernel: calls of 1..FEW rows of a narrow packing (packed_linear.h: int8 values under a scale,
+/* The few-row kernel: calls of a narrow packing (1..FEW rows at a time) (packed_linear.h: int8 values under a scale,
    and an offset or not, per block of 32, or per half block: `halves`) on the vector units, on any CPU.
 
    At batch 1 a step streams every weight once, and how many vector operations a cache line costs bounds it
@@ -338,13 +338,15 @@ static long take_pair(pair_run *run, int back) {
    waited for at each call's end: 2.7-3.4 % of the threads' time in a batch-1 decode step (a static split
    5.7 %), 0.8 % with these runs; decode steps 1.01-1.04x (rounds of steps alternated). Dynamic runs of 4-16
    pairs measured 0.89-1.01x against guided (each run's prefetches fall in the next pairs, which the other
-   thread may take). A pair's bits are the same on any thread. Returns 0; -1 without memory for the split rows; -2 for a
-   packing that is not narrow, or more than FEW rows (the caller's other paths take those). */
+   thread may take). A pair's bits are the same on any thread.
+   More than FEW rows go through each pair FEW at a time, the pair's weights found in L2 after the first: the
+   bits of a row are the same in a call of any size. Returns 0; -1 without memory for the split rows; -2 for a
+   packing that is not narrow (the caller's other paths take those). */
 int slotserve_few_rows_gemm(const float *x, const slotserve_packed_weight *w, const float *bias, float *out, long M,
                             long N, long K, int threads) {
     if (M <= 0)
         return 0;
-    if (!w->narrow || M > FEW)
+    if (!w->narrow)
         return -2;
     const long pairs = (N + PAIR - 1) / PAIR, blocks = K / BLOCK;
     /* each row's digits (4 bytes a value), then its biases, units and sums (10 words a block) */
@@ -353,7 +355,11 @@ int slotserve_few_rows_gemm(const float *x, const slotserve_packed_weight *w, co
         return -1;
     int32_t *biases = (int32_t *)(rows + 4 * M * K);
     float *units = (float *)(biases + 6 * M * blocks), *sums = units + M * blocks;
-    split_x xs[FEW];
+    split_x *xs = malloc((size_t)M * sizeof *xs);
+    if (!xs) {
+        free(rows);
+        return -1;
+    }
     const int with_sums = w->offsets != NULL;
     for (long m = 0; m < M; m++) {
 #if BYTE_DIGITS
@@ -377,17 +383,22 @@ int slotserve_few_rows_gemm(const float *x, const slotserve_packed_weight *w, co
             split_block(x + i / blocks * K, K, i % blocks, xs[i / blocks], with_sums);
         for (int other = 0; other < team; other++) /* its own run first (other = 0), then the others' */
             for (long p; (p = take_pair(&runs[(me + other) % team], other > 0)) >= 0;)
-                switch (M * 2 + w->halves) { /* constant row and segment counts: accumulators in registers */
-                case 2: few_rows(xs, w, bias, out, N, K, p, 1, 1); break;
-                case 3: few_rows(xs, w, bias, out, N, K, p, 1, 2); break;
-                case 4: few_rows(xs, w, bias, out, N, K, p, 2, 1); break;
-                case 5: few_rows(xs, w, bias, out, N, K, p, 2, 2); break;
-                case 6: few_rows(xs, w, bias, out, N, K, p, 3, 1); break;
-                case 7: few_rows(xs, w, bias, out, N, K, p, 3, 2); break;
-                case 8: few_rows(xs, w, bias, out, N, K, p, FEW, 1); break;
-                default: few_rows(xs, w, bias, out, N, K, p, FEW, 2);
+                for (long m0 = 0; m0 < M; m0 += FEW) {
+                    const split_x *x0 = xs + m0;
+                    float *o0 = out + m0 * N;
+                    switch ((M - m0 < FEW ? M - m0 : FEW) * 2 + w->halves) { /* constant counts: registers */
+                    case 2: few_rows(x0, w, bias, o0, N, K, p, 1, 1); break;
+                    case 3: few_rows(x0, w, bias, o0, N, K, p, 1, 2); break;
+                    case 4: few_rows(x0, w, bias, o0, N, K, p, 2, 1); break;
+                    case 5: few_rows(x0, w, bias, o0, N, K, p, 2, 2); break;
+                    case 6: few_rows(x0, w, bias, o0, N, K, p, 3, 1); break;
+                    case 7: few_rows(x0, w, bias, o0, N, K, p, 3, 2); break;
+                    case 8: few_rows(x0, w, bias, o0, N, K, p, FEW, 1); break;
+                    default: few_rows(x0, w, bias, o0, N, K, p, FEW, 2);
+                    }
                 }
     }
+    free(xs);
     free(rows);
     return 0;
 }

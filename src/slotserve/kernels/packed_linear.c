@@ -265,3 +265,89 @@ int slotserve_pack_weight(const float *w, long N, long K, float *offsets, void *
     }
     return bad & 1 ? -1 : bad ? -2 : 0;
 }
+
+/* Where row n's block b sits in a narrow packing: its tile's first byte, and its column in the tile. */
+static const uint8_t *tile_of(const slotserve_packed_weight *w, long blocks, long n, long b, int *col) {
+    const long p = n / PAIR;
+    *col = (int)(n % TILE);
+    return (const uint8_t *)w->values + (p * blocks + b) * 2 * TILE * BLOCK + (n % PAIR) / TILE * TILE * BLOCK;
+}
+
+/* The scale (or offset) index of row n's block b, half h (0 without halves). */
+static long scale_at(const slotserve_packed_weight *w, long blocks, long n, long b, int h) {
+    const int segments = w->halves ? 2 : 1;
+    return ((n / PAIR * blocks + b) * segments + h) * PAIR + n % PAIR;
+}
+
+/* out[i][k] = the weight's row ids[i], column k, as float32: the rows an embedding looks up. Narrow packings
+   only (-2 else); ids must be within the weight's rows. Returns 0. */
+int slotserve_unpack_rows(const slotserve_packed_weight *w, long K, const long *ids, long count, float *out,
+                          int threads) {
+    if (!w->narrow)
+        return -2;
+    const long blocks = K / BLOCK;
+#pragma omp parallel for schedule(static) num_threads(threads) if (count * K > 65536)
+    for (long i = 0; i < count; i++)
+        for (long b = 0; b < blocks; b++) {
+            int col;
+            const uint8_t *tile = tile_of(w, blocks, ids[i], b, &col);
+            for (int h = 0; h < (w->halves ? 2 : 1); h++) {
+                const long at = scale_at(w, blocks, ids[i], b, h);
+                const float scale = w->scales[at], offset = w->offsets ? w->offsets[at] : 0.0f;
+                const int len = w->halves ? BLOCK / 2 : BLOCK;
+                for (int k = h * len; k < (h + 1) * len; k++)
+                    out[i * K + b * BLOCK + k] = fmaf(scale, (float)((int)tile[(k / 4 * TILE + col) * 4 + k % 4] - 128),
+                                                      offset);
+            }
+        }
+    return 0;
+}
+
+/* Float32 bits to bfloat16 ones, rounded to the nearest (ties to even). */
+static inline vi bf16_bits(vf f) {
+    const vi u = (vi)f;
+    return (u + 0x7fff + ((u >> 16) & 1)) >> 16;
+}
+
+typedef unsigned short vu16 __attribute__((vector_size(VW * sizeof(unsigned short))));
+
+/* The weight's pairs [first, first + count) transposed into a panel that x multiplies: out[k][j] = the weight's
+   row first * PAIR + j, column k, ld values (float32, or bfloat16 where `bf16`) a row of out, ld >= count * PAIR;
+   rows past N are zeros. scale * v + offset is each weight exactly (packed so), so a float32 panel holds the
+   weights, a bfloat16 one the weights rounded to the nearest. Narrow packings only (-2 else). Returns 0. */
+int slotserve_unpack_panel(const slotserve_packed_weight *w, long K, long first, long count, void *out, long ld,
+                           int bf16, int threads) {
+    if (!w->narrow)
+        return -2;
+    const long blocks = K / BLOCK;
+    const int segments = w->halves ? 2 : 1;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    for (long p = first; p < first + count; p++)
+        for (long b = 0; b < blocks; b++) {
+            const uint8_t *pair = (const uint8_t *)w->values + (p * blocks + b) * 2 * TILE * BLOCK;
+            for (int t = 0; t < 2; t++)
+                for (int half = 0; half < TILE / VW; half++) { /* VW rows of the tile at a time */
+                    const int row = t * TILE + half * VW; /* in the pair */
+                    const long column = (p - first) * PAIR + row;
+                    for (int kq = 0; kq < BLOCK / 4; kq++) {
+                        const long at = ((p * blocks + b) * segments + (segments == 2 ? kq / 4 : 0)) * PAIR + row;
+                        const vf scale = load(w->scales + at);
+                        const vf offset = w->offsets ? load(w->offsets + at) : splat(0.0f);
+                        vi quads; /* each lane: one row's 4 values at k = 4 kq .. 4 kq + 3 */
+                        memcpy(&quads, pair + t * TILE * BLOCK + (kq * TILE + half * VW) * 4, sizeof quads);
+                        for (int j = 0; j < 4; j++) {
+                            const vf v = __builtin_convertvector(((quads >> (8 * j)) & 0xff) - 128, vf);
+                            const vf x = fmadd(scale, v, offset);
+                            const long k = b * BLOCK + 4 * kq + j;
+                            if (bf16) {
+                                const vu16 h = __builtin_convertvector(bf16_bits(x), vu16);
+                                memcpy((uint16_t *)out + k * ld + column, &h, sizeof h);
+                            } else {
+                                memcpy((float *)out + k * ld + column, &x, sizeof x);
+                            }
+                        }
+                    }
+                }
+        }
+    return 0;
+}

@@ -23,8 +23,8 @@ typedef struct {
     const float *scales, *offsets;
     int narrow;
     int halves; /* each block's two halves of 16 have their own scale (and offset): GGUF's Q6_K; few rows only */
-    /* The rows it takes (the caller's choice, kept here): from min_rows on, any of a narrow packing, none past
-       max_rows (FEW without AMX); the float32 path takes the rest. */
+    /* The rows it takes (the caller's choice, kept here): a narrow packing's 1..max_rows, on AMX from min_rows
+       on (few_rows.c below); a bfloat16 packing's min_rows..max_rows on AMX. The float32 path takes the rest. */
     long min_rows, max_rows;
 } slotserve_packed_weight;
 

@@ -1,15 +1,20 @@
 """Linears on a packed weight (packed_linear.h), called from Python: `PackedWeight.pack(weight, bias)` packs a
 float32 weight that is, in every block of 32 along a row, a scale times bfloat16 values, plus an offset or not
 (a GGUF's Q8_0/Q5_0/Q4_K tensors, a bfloat16 checkpoint loaded in float32; packed_linear.c), or answers None
-for any other weight; calling the packed weight is F.linear, with every product exact. Values that are all
-small integers (GGUF's) are kept in 1 byte each (`narrow`), others in 2; the results are the same bits. Weights
-with a scale per 16 (GGUF's Q6_K) pack in int8 `halves` for the few-row kernel alone.
+for any other weight. Values that are all small integers (GGUF's) are kept in 1 byte each (`narrow`), others in
+2; the results are the same bits. Weights with a scale per 16 (GGUF's Q6_K) pack in int8 `halves`. A narrow
+packing is a weight by itself (a GGUF model keeps no float32 copy: `PackedWeight.weight` is None then); a
+bfloat16 one runs beside its float32 weight, for the rows AMX takes.
 
-Two kernels multiply by a packing: few_rows.c takes a narrow packing's calls of 1..FEW_ROWS rows on the vector
-units of any CPU the kernels build on (VNNI or AVX2), amx_gemm.c the calls from AMX_MIN_ROWS rows on where the
-CPU has AMX (`amx_available()`; Linux asks each process to request the tile registers; `SLOTSERVE_AMX=0` turns
-AMX off). `PackedWeight.runs` says which row counts a packing takes; the float32 weight takes the rest.
-`SLOTSERVE_PACK_WEIGHTS=0` keeps every linear on its float32 weights.
+Three ways multiply by a narrow packing, by the call's rows:
+- few_rows.c, on the vector units of any CPU the kernels build on (VNNI or AVX2), FEW_ROWS rows at a time, with
+  exact products: calls below AMX's (all of them without AMX, or in halves) and below PANEL_ROWS;
+- amx_gemm.c where the CPU has AMX (`amx_available()`; Linux asks each process to request the tile registers;
+  `SLOTSERVE_AMX=0` turns AMX off), also exact, from FEW_ROWS + 1 rows on;
+- from PANEL_ROWS rows on (prefill), torch's GEMM on panels of the weight unpacked as it goes: in bfloat16
+  where the CPU has bfloat16 units (`panel_dtype()`; AMX, AVX512-BF16), the weights and activations rounded to
+  bfloat16, else in float32, exact weights.
+`SLOTSERVE_PACK_WEIGHTS=0` keeps every linear of a float32 checkpoint on its float32 weights.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,15 +33,21 @@ from slotserve.kernels import native
 PACK_SOURCE = Path(__file__).with_name("packed_linear.c")
 FEW_ROWS_SOURCE = Path(__file__).with_name("few_rows.c")
 AMX_SOURCE = Path(__file__).with_name("amx_gemm.c")
-BLOCK, PAIR = 32, 32  # k per scale; weight rows per packed pair of tiles (packed_linear.h's)
+BLOCK, PAIR, TILE = 32, 32, 16  # k per scale; weight rows per packed pair of tiles, per tile (packed_linear.h's)
 # A bfloat16 packing's calls of fewer rows stay on the float32 kernel's dot-product form (small_gemm.c's 1..DOT_ROWS
 # rows), AMX takes the rest. A narrow packing takes every row count: up to FEW_ROWS on few_rows.c.
 AMX_MIN_ROWS = 12
 FEW_ROWS = 4  # packed_linear.h's FEW
-ALL_ROWS = 2**62  # max_rows where AMX runs
+ALL_ROWS = 2**62  # max_rows: every row count
+# From this many rows on, a call multiplies unpacked panels: on this file's first AMX machine a 512-row call of
+# the default model's gate/up ran 4.5x faster in bfloat16 panels than in float32.
+PANEL_ROWS = 64
+PANEL_BYTES = 2 << 20  # a panel's size: it stays in L2/L3 while torch's GEMM reads it
 BYTES_PER_WEIGHT = 2 + 2 * 4 / BLOCK  # the most a packing keeps: a bfloat16, a scale and an offset per block
 _PACK_ARGS = (ctypes.c_void_p, ctypes.c_long, ctypes.c_long) + (ctypes.c_void_p,) * 3 + (ctypes.c_int,) * 3
 _GEMM_ARGS = (ctypes.c_void_p,) * 4 + (ctypes.c_long,) * 3 + (ctypes.c_int,)  # both kernels'
+_ROWS_ARGS = (ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int)
+_PANEL_ARGS = (ctypes.c_void_p,) + (ctypes.c_long,) * 3 + (ctypes.c_void_p, ctypes.c_long) + (ctypes.c_int,) * 2
 
 
 class Packing(ctypes.Structure):
@@ -49,68 +61,191 @@ class Packing(ctypes.Structure):
 @functools.cache
 def amx_available() -> bool:
     """Whether AMX runs here: packings then take every row count their form is worth."""
-    if os.environ.get("SLOTSERVE_AMX", "1") == "0" or not packs():
+    if os.environ.get("SLOTSERVE_AMX", "1") == "0" or not built():
         return False
     init = native.function(AMX_SOURCE, "slotserve_amx_init", ())
     return init is not None and init() == 0
 
 
 @functools.cache
-def packs() -> bool:
-    """Whether weights are packed here at all: where AMX is not, narrow ones for the few-row kernel."""
-    return (os.environ.get("SLOTSERVE_PACK_WEIGHTS", "1") != "0"
-            and native.function(PACK_SOURCE, "slotserve_pack_weight", _PACK_ARGS) is not None
+def panel_dtype() -> torch.dtype:
+    """What calls of PANEL_ROWS rows or more multiply in: bfloat16 where the CPU has bfloat16 dot products (AMX,
+    AVX512-BF16) and `SLOTSERVE_PREFILL_FLOAT32` is not 1, else float32."""
+    if os.environ.get("SLOTSERVE_PREFILL_FLOAT32", "0") == "1":
+        return torch.float32
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return torch.bfloat16 if {"amx_bf16", "avx512_bf16"} & set(flags) else torch.float32
+
+
+@functools.cache
+def built() -> bool:
+    """Whether the packed kernels build here (a checkpoint's packings need them)."""
+    return (native.function(PACK_SOURCE, "slotserve_pack_weight", _PACK_ARGS) is not None
             and native.function(FEW_ROWS_SOURCE, "slotserve_few_rows_gemm", _GEMM_ARGS) is not None)
+
+
+def pack_narrow(weight: torch.Tensor) -> PackedTensor | None:
+    """A float32 weight [n, k] packed narrow (packed_linear.c's fit: exact), the buffers as a checkpoint keeps
+    them; None where some block has no narrow form or the kernels are not built."""
+    if not built() or weight.dim() != 2 or not native.takes(weight):
+        return None
+    fit = _fit(weight.contiguous(), narrow=True, wide=False)
+    return None if fit is None else PackedWeight(None, None, *fit).tensor()
+
+
+def _fit(weight: torch.Tensor, narrow: bool, wide: bool) -> tuple | None:
+    """PackedWeight's buffers and shape (values, scales, offsets, n, k, halves) for a contiguous float32 weight,
+    in the first form that fits: int8 values (where `narrow`), then bfloat16 ones (where `wide`), each without
+    offsets, then with; failing those, int8 under a scale per half block. None where none fits."""
+    n, k = weight.shape
+    if k % BLOCK:
+        return None
+    scalars = -(-n // PAIR) * PAIR * (k // BLOCK)
+    pack = native.require(native.function(PACK_SOURCE, "slotserve_pack_weight", _PACK_ARGS), PACK_SOURCE)
+    values = {}
+    for halves in (False, True) if narrow else (False,):
+        scales = torch.empty(scalars * (2 if halves else 1))
+        for offsets in (None, torch.empty_like(scales)):
+            for dtype in (torch.int8,) * narrow + (torch.int16,) * (wide and not halves):
+                if dtype not in values:  # what a step streams
+                    values[dtype] = host_memory.zeros((scalars * BLOCK,), dtype, weight.device)
+                fit = pack(weight.data_ptr(), n, k, None if offsets is None else offsets.data_ptr(),
+                           values[dtype].data_ptr(), scales.data_ptr(), dtype == torch.int8, halves,
+                           torch.get_num_threads())
+                if fit == 0:
+                    return values[dtype], scales, offsets, n, k, halves
+                if fit == -1:  # a block without a form: wider values cannot help
+                    break
+    return None
+
+
+def packs() -> bool:
+    """Whether a float32 checkpoint's weights are packed here: where AMX is not, narrow ones only."""
+    return os.environ.get("SLOTSERVE_PACK_WEIGHTS", "1") != "0" and built()
+
+
+@dataclass(frozen=True)
+class PackedTensor:
+    """A narrow packing's buffers as a checkpoint stores them (packed_linear.h's layout): `values` uint8
+    [pairs, blocks, 2 * TILE * BLOCK], `scales` and `offsets` (None: no offsets) float32 [pairs, blocks, halves,
+    PAIR] (halves 2 where each half block has its own), of an [n, k] weight."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    n: int
+    k: int
+
+    @property
+    def halves(self) -> bool:
+        return self.scales.shape[2] == 2
+
+    def pairs(self, start: int, stop: int) -> PackedTensor:
+        """Rows [start, stop) (start a multiple of PAIR; stop too, or n)."""
+        if start % PAIR or (stop % PAIR and stop != self.n):
+            raise ValueError(f"packed rows [{start}, {stop}) do not fall on pairs of {PAIR}")
+        cut = slice(start // PAIR, -(-stop // PAIR))
+        return PackedTensor(self.values[cut], self.scales[cut], None if self.offsets is None else self.offsets[cut],
+                            stop - start, self.k)
+
+    def columns(self, start: int, stop: int) -> PackedTensor:
+        """Columns [start, stop), both multiples of BLOCK (a copy)."""
+        if start % BLOCK or stop % BLOCK:
+            raise ValueError(f"packed columns [{start}, {stop}) do not fall on blocks of {BLOCK}")
+        cut = (slice(None), slice(start // BLOCK, stop // BLOCK))
+        return PackedTensor(self.values[cut].contiguous(), self.scales[cut].contiguous(),
+                            None if self.offsets is None else self.offsets[cut].contiguous(), self.n, stop - start)
+
+    def widened(self, halves: bool, offsets: bool) -> PackedTensor:
+        """The same weight in a wider form: scales per half block, offsets (zero ones where it has none)."""
+        scales = self.scales.expand(-1, -1, 2, -1) if halves and not self.halves else self.scales
+        offs = self.offsets
+        if offs is None and offsets:
+            offs = torch.zeros_like(scales)
+        elif offs is not None and offs.shape != scales.shape:
+            offs = offs.expand_as(scales)
+        return PackedTensor(self.values, scales, offs, self.n, self.k)
+
+    def padded(self, n: int) -> PackedTensor:
+        """The weight with zero rows after its own, up to n (a rank's vocabulary rows past the vocabulary)."""
+        extra = -(-n // PAIR) - self.values.shape[0]
+        if extra <= 0:
+            return PackedTensor(self.values, self.scales, self.offsets, max(n, self.n), self.k)
+        pad = lambda t, fill: torch.cat([t, torch.full((extra, *t.shape[1:]), fill, dtype=t.dtype)])  # noqa: E731
+        return PackedTensor(pad(self.values, 128), pad(self.scales, 1.0),  # a value v is stored as v + 128
+                            None if self.offsets is None else pad(self.offsets, 0.0), n, self.k)
+
+    @staticmethod
+    def cat(parts: list[PackedTensor]) -> PackedTensor:
+        """The parts' rows one after another (every part but the last a whole number of pairs), in the widest
+        form any part has."""
+        if len(parts) == 1:
+            return parts[0]
+        if any(p.n % PAIR for p in parts[:-1]) or len({p.k for p in parts}) != 1:
+            raise ValueError("packed parts do not stack: rows not in whole pairs, or different columns")
+        halves, offsets = any(p.halves for p in parts), any(p.offsets is not None for p in parts)
+        wide = [p.widened(halves, offsets) for p in parts]
+        return PackedTensor(torch.cat([p.values for p in wide]), torch.cat([p.scales for p in wide]),
+                            torch.cat([p.offsets for p in wide]) if offsets else None,
+                            sum(p.n for p in parts), parts[0].k)
 
 
 class PackedWeight:
     """One linear's weight (and bias) packed for the packed kernels (few_rows.c; amx_gemm.c where AMX runs);
-    holds the float32 weight it was packed from, which is what a caller compares to see whether the module
-    still holds it."""
+    holds the float32 weight it was packed from (None: a checkpoint's packing, no float32 weight), which is what a
+    caller compares to see whether the module still holds it."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, values: torch.Tensor,
-                 scales: torch.Tensor, offsets: torch.Tensor | None, halves: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, values: torch.Tensor,
+                 scales: torch.Tensor, offsets: torch.Tensor | None, n: int, k: int, halves: bool = False) -> None:
         self.weight, self.bias, self.values, self.scales, self.offsets = weight, bias, values, scales, offsets
-        self.n, self.k = weight.shape
-        self.narrow, self.halves = values.dtype == torch.int8, halves
-        self.max_rows = ALL_ROWS if amx_available() and not halves else FEW_ROWS
+        self.n, self.k = n, k
+        self.narrow, self.halves = values.dtype in (torch.int8, torch.uint8), halves
+        amx = amx_available() and not halves
+        self.min_rows = (FEW_ROWS + 1 if self.narrow else AMX_MIN_ROWS) if amx else ALL_ROWS
+        self.max_rows = ALL_ROWS if self.narrow or amx else 0
         self.packing = Packing(values.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
-                               self.narrow, halves, AMX_MIN_ROWS, self.max_rows)
+                               self.narrow, halves, self.min_rows, self.max_rows)
         self._few_rows = native.function(FEW_ROWS_SOURCE, "slotserve_few_rows_gemm", _GEMM_ARGS)
         self._amx = native.function(AMX_SOURCE, "slotserve_amx_gemm", _GEMM_ARGS) if amx_available() else None
+
+    @classmethod
+    def of(cls, tensor: PackedTensor, bias: torch.Tensor | None = None) -> PackedWeight:
+        """A checkpoint's packing as a weight by itself."""
+        if not built():
+            raise native.KernelUnavailableError("packed weights need the native kernels (packed_linear.c, few_rows.c): "
+                                                "a C compiler with OpenMP")
+        if bias is not None and bias.shape != (tensor.n,):
+            raise ValueError(f"packed_linear: bias {tuple(bias.shape)} does not fit weight {(tensor.n, tensor.k)}")
+        values, scales = tensor.values.contiguous(), tensor.scales.contiguous()
+        offsets = None if tensor.offsets is None else tensor.offsets.contiguous()
+        return cls(None, None if bias is None else bias.contiguous(), values, scales, offsets, tensor.n, tensor.k,
+                   tensor.halves)
 
     @classmethod
     def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, narrow: bool = True) -> PackedWeight | None:
         """The packed weight, in int8 values where every block allows and `narrow` asks, else bfloat16 ones
         (where AMX runs: nothing else would read them); without offsets where every block allows. Failing those,
-        int8 values under a scale per half block (GGUF's Q6_K: for the few-row kernel only). None where some
-        block has no such form, or nothing here would run it."""
+        int8 values under a scale per half block (GGUF's Q6_K). None where some block has no such form, or
+        nothing here would run it."""
         amx = amx_available()
-        if (not (packs() and (amx or narrow)) or weight.dim() != 2 or weight.shape[1] % BLOCK
-                or not native.takes(weight)):
+        if not (packs() and (amx or narrow)) or weight.dim() != 2 or not native.takes(weight):
             return None
         if bias is not None and (bias.shape != weight.shape[:1] or not native.takes(bias)):
             raise ValueError(f"packed_linear: bias {tuple(bias.shape)} does not fit weight {tuple(weight.shape)}")
-        weight = weight.contiguous()
-        n, k = weight.shape
-        scalars = -(-n // PAIR) * PAIR * (k // BLOCK)
-        pack = native.require(native.function(PACK_SOURCE, "slotserve_pack_weight", _PACK_ARGS), PACK_SOURCE)
-        values = {}
-        for halves in (False, True) if narrow else (False,):
-            scales = torch.empty(scalars * (2 if halves else 1))
-            for offsets in (None, torch.empty_like(scales)):
-                for dtype in (torch.int8,) * narrow + (torch.int16,) * (amx and not halves):
-                    if dtype not in values:  # what a step streams
-                        values[dtype] = host_memory.zeros((scalars * BLOCK,), dtype, weight.device)
-                    fit = pack(weight.data_ptr(), n, k, None if offsets is None else offsets.data_ptr(),
-                               values[dtype].data_ptr(), scales.data_ptr(), dtype == torch.int8, halves,
-                               torch.get_num_threads())
-                    if fit == 0:
-                        return cls(weight, None if bias is None else bias.contiguous(), values[dtype], scales,
-                                   offsets, halves)
-                    if fit == -1:  # a block without a form: wider values cannot help
-                        break
-        return None
+        fit = _fit(weight.contiguous(), narrow, amx)
+        return None if fit is None else cls(weight.contiguous(), None if bias is None else bias.contiguous(), *fit)
+
+    def tensor(self) -> PackedTensor:
+        """A narrow packing's buffers in their checkpoint shapes (views)."""
+        pairs, blocks, segments = -(-self.n // PAIR), self.k // BLOCK, 2 if self.halves else 1
+        shape = (pairs, blocks, segments, PAIR)
+        return PackedTensor(self.values.view(torch.uint8).view(pairs, blocks, 2 * TILE * BLOCK),
+                            self.scales.view(shape), None if self.offsets is None else self.offsets.view(shape),
+                            self.n, self.k)
 
     @property
     def nbytes(self) -> int:
@@ -119,9 +254,13 @@ class PackedWeight:
 
     def runs(self, rows: int) -> bool:
         """Whether a call with this many rows is worth the packing (the caller's float32 path takes the rest):
-        AMX from AMX_MIN_ROWS rows on, any rows of a narrow packing (up to FEW_ROWS on few_rows.c, which streams
-        its 1-byte values; AMX from there on). Without AMX, or in halves: those few rows."""
-        return (rows >= AMX_MIN_ROWS or (self.narrow and rows > 0)) and rows <= self.max_rows
+        any rows of a narrow packing (but where a float32 weight is beside it, panels in float32 would only
+        unpack it again); a bfloat16 packing's from AMX_MIN_ROWS on, where AMX runs."""
+        if rows <= 0:
+            return False
+        if not self.narrow:
+            return self.min_rows <= rows <= self.max_rows
+        return not (rows >= PANEL_ROWS and self.weight is not None and panel_dtype() == torch.float32)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ weight^T + bias."""
@@ -129,13 +268,47 @@ class PackedWeight:
             raise ValueError(f"packed_linear: x {tuple(x.shape)} {x.dtype} on {x.device} does not multiply a "
                              f"float32 CPU weight of {self.k} columns")
         x, rows = x.contiguous(), x.shape[0]
+        if self.narrow and rows >= PANEL_ROWS:
+            return self._panels(x)
         out = torch.empty(rows, self.n)
-        gemm = self._few_rows if self.narrow and rows <= FEW_ROWS else self._amx
+        gemm = self._few_rows if self.narrow and rows < self.min_rows else self._amx
         bias = None if self.bias is None else self.bias.data_ptr()
-        fit = -2 if gemm is None else gemm(x.data_ptr(), ctypes.byref(self.packing), bias, out.data_ptr(), rows,
-                                           self.n, self.k, torch.get_num_threads())
+        fit = -2 if gemm is None or not self.runs(rows) else gemm(
+            x.data_ptr(), ctypes.byref(self.packing), bias, out.data_ptr(), rows, self.n, self.k,
+            torch.get_num_threads())
         if fit == -2:
             raise ValueError(f"packed_linear: this packing does not run {rows} rows here (see runs())")
         if fit:
             raise MemoryError(f"packed_linear: no memory to split a {tuple(x.shape)} input")
         return out
+
+    def _panels(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight^T + bias through torch's GEMM, a panel of the weight's rows unpacked at a time."""
+        dtype = panel_dtype()
+        unpack = native.require(native.function(PACK_SOURCE, "slotserve_unpack_panel", _PANEL_ARGS), PACK_SOURCE)
+        pairs = -(-self.n // PAIR)
+        step = max(1, PANEL_BYTES // (self.k * PAIR * dtype.itemsize))
+        xs = x.to(dtype)
+        out = torch.empty(x.shape[0], self.n)
+        panel = torch.empty(self.k, min(step, pairs) * PAIR, dtype=dtype)
+        for first in range(0, pairs, step):
+            count = min(step, pairs - first)
+            unpack(ctypes.byref(self.packing), self.k, first, count, panel.data_ptr(), panel.shape[1],
+                   dtype == torch.bfloat16, torch.get_num_threads())
+            lo, hi = first * PAIR, min((first + count) * PAIR, self.n)
+            out[:, lo:hi] = torch.mm(xs, panel[:, :hi - lo])
+        return out if self.bias is None else out.add_(self.bias)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows `ids` (int64, each in [0, n)) as float32 [len(ids), k]: an embedding's lookup."""
+        if not self.narrow:
+            raise ValueError("packed_linear: only a narrow packing's rows are looked up")
+        ids = ids.to(torch.long).contiguous()
+        out = torch.empty(len(ids), self.k)
+        unpack = native.require(native.function(PACK_SOURCE, "slotserve_unpack_rows", _ROWS_ARGS), PACK_SOURCE)
+        unpack(ctypes.byref(self.packing), self.k, ids.data_ptr(), len(ids), out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole weight as float32 [n, k]: exactly the weight it was packed from."""
+        return self.rows(torch.arange(self.n))

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slotserve.distributed.group import SINGLE, RankGroup
+from slotserve.kernels.packed_linear import PackedWeight
 from slotserve.layers.linear import Linear, Shard
 
 
@@ -23,7 +24,10 @@ def vocab_shard(vocab_size: int, group: RankGroup) -> tuple[int, Shard | None]:
 
 
 class VocabEmbedding(nn.Module):
-    """A token embedding without random initialisation (nn.Embedding's costs seconds at vocab 152k)."""
+    """A token embedding without random initialisation (nn.Embedding's costs seconds at vocab 152k). Loaded
+    packed (a GGUF's), `weight` is None and the rows are unpacked as they are looked up."""
+
+    packed: PackedWeight | None = None
 
     def __init__(self, num_embeddings: int, dim: int, group: RankGroup = SINGLE) -> None:
         super().__init__()
@@ -31,13 +35,31 @@ class VocabEmbedding(nn.Module):
         self.group = group
         self.weight = nn.Parameter(torch.empty(rows, dim))
 
+    def hold_packed(self, packed: PackedWeight) -> None:
+        """Makes a checkpoint's packing this embedding's weight: no float32 copy is kept."""
+        if packed.k != self.weight.shape[1] or packed.n > self.weight.shape[0]:
+            raise ValueError(f"packed embedding {(packed.n, packed.k)} does not fit {tuple(self.weight.shape)}")
+        self.weight, self.packed = None, packed
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.embedding(ids, self.weight)
+        if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < self.packed.n:
+            raise IndexError(f"token ids outside the embedding's {self.packed.n} rows")
+        return self.packed.rows(ids.reshape(-1)).reshape(*ids.shape, self.packed.k)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.weight_shard is None:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         local = ids - self.weight_shard.start
         outside = (local < 0) | (local >= self.weight_shard.size)
-        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill_(outside[:, None], 0)
+        x = self._lookup(local.masked_fill(outside, 0)).masked_fill_(outside[:, None], 0)
         return self.group.all_reduce(x)
+
+
+def tie(head: Linear, embedding: VocabEmbedding) -> None:
+    """Shares the embedding's weight (or packing) with the output head."""
+    head.weight, head.packed = embedding.weight, embedding.packed
 
 
 def lm_head(hidden_size: int, vocab_size: int, group: RankGroup = SINGLE) -> Linear:

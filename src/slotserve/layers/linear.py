@@ -1,10 +1,11 @@
 """The model's linear layer: nn.Linear, with each CPU float32 call sent to a kernel by its row count and
 the weight's form.
 
-- A weight whose form packs (`pack`: GGUF's integer blocks, bfloat16 checkpoints; kernels/packed_linear.py)
-  runs packed for the row counts its packing takes (`PackedWeight.runs`), with exact products: a narrow
-  packing's 1..FEW_ROWS rows on the vector units of any CPU (kernels/few_rows.c, streaming a third of the
-  float32 bytes), more rows, or a bfloat16 packing's from AMX_MIN_ROWS on, on AMX where the CPU has it.
+- A layer loaded packed (a GGUF's tensors: `weight` None, `packed` the weight) runs every call on its packing;
+  a float32 weight whose form packs (`pack`: integer blocks, bfloat16 checkpoints; kernels/packed_linear.py)
+  runs packed for the row counts its packing takes (`PackedWeight.runs`): a narrow packing's rows on the
+  vector units of any CPU (kernels/few_rows.c, streaming a third of the float32 bytes) or AMX, exactly, and
+  from PANEL_ROWS on through unpacked panels; a bfloat16 packing's from AMX_MIN_ROWS on, on AMX.
 - Other calls of NATIVE_ROWS (decode steps) go to the small GEMM (kernels/small_gemm.c), which reads each
   weight once, where a BLAS library copies every weight into its panel layout on each call before reading it
   again (8 rows of the default model's weights: 122 vs 224 ms a step). Where it is not built, TRANSPOSED_ROWS
@@ -90,6 +91,13 @@ class Linear(nn.Linear):
         self.packed = packed_linear.PackedWeight.pack(self.weight, self.bias)
         return self.packed is not None
 
+    def hold_packed(self, packed: packed_linear.PackedWeight) -> None:
+        """Makes a checkpoint's packing this layer's weight: no float32 copy is kept."""
+        if (packed.n, packed.k) != (self.out_features, self.in_features):
+            raise ValueError(f"packed weight {(packed.n, packed.k)} does not fit a linear of "
+                             f"{(self.out_features, self.in_features)}")
+        self.weight, self.packed = None, packed
+
     def current_packed(self) -> packed_linear.PackedWeight | None:
         """The packing of this layer's current weight and bias (None: none, or they were replaced since)."""
         packed = self.packed
@@ -98,9 +106,13 @@ class Linear(nn.Linear):
     def streamed_bytes(self, rows: int) -> int:
         """The weight bytes a call of this many rows reads: its packing's where that runs them."""
         packed = self.current_packed()
-        return packed.nbytes if packed is not None and packed.runs(rows) else self.weight.nbytes
+        if packed is not None and (packed.runs(rows) or self.weight is None):
+            return packed.nbytes
+        return self.weight.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:  # a checkpoint's packing, for every call
+            return self.packed(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
         if x.dim() != 2 or not native.takes(x, self.weight):
             return super().forward(x)
         rows = x.shape[0]

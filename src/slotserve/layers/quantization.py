@@ -67,7 +67,8 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # Two zero columns meet the two range columns that forward appends to every input row.
-        weight = torch.nn.functional.pad(linear.weight.detach(), (0, 2))
+        weight = linear.weight if linear.weight is not None else linear.packed.dequantize()  # a GGUF's packing
+        weight = torch.nn.functional.pad(weight.detach(), (0, 2))
         self._packed = torch.ops.quantized.linear_prepack(_quantize(weight, _weight_max()), None)
         self.register_buffer("_range", torch.tensor([[1.0, -1.0]]), persistent=False)
         # The bias is added after the rows are scaled back, so it stays out of the packed weight

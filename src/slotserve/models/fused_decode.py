@@ -56,6 +56,8 @@ def _runnable(layer: QwenDecoderLayer) -> bool:
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if not all(isinstance(m, Linear) for m in linears) or any(m.bias is not None for m in linears[1:]):
         return False
+    if any(m.weight is None and m.packed.max_rows < MAX_TOKENS for m in linears):  # a packing alone runs them all
+        return False
     norms = (layer.input_layernorm, attn.q_norm, attn.k_norm, layer.post_attention_layernorm)
     return len({n.eps for n in norms if n is not None}) == 1 and all(
         t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and t.numel() > 0)
@@ -75,10 +77,14 @@ class FusedStep:
 def _head(model: nn.Module) -> Linear | None:
     """The model's output head (`lm_head`, whose output its compute_logits gives) where the kernel can run it."""
     head = getattr(model, "lm_head", None)
-    if not isinstance(head, Linear):
+    if not isinstance(head, Linear) or (head.weight is None and head.packed.max_rows < MAX_TOKENS):
         return None
     return head if all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous())
                        for t in (head.weight, head.bias)) else None
+
+
+def _vocab_rows(embedding: nn.Module) -> int:
+    return embedding.packed.n if embedding.weight is None else embedding.weight.shape[0]
 
 
 class FusedDecode:
@@ -91,7 +97,7 @@ class FusedDecode:
         # (ModelRunner.rebind); until then the step keeps computing with what it holds.
         self.tensors, self.packed = tensors, packed
         self.head, self.head_packed = head, None if head is None else head.current_packed()
-        self.embedding, self.final_norm = model.embed_tokens.weight, model.norm.weight
+        self.embedding, self.final_norm = model.embed_tokens, model.norm.weight
         self.layers = (decode_layers.Layer * len(tensors))(*(
             decode_layers.Layer(*(None if t is None else t.data_ptr() for t in ts),
                                 *(Packing() if p is None else p.packing for p in layer_packed))
@@ -100,7 +106,7 @@ class FusedDecode:
         hidden, self.cache_entries = model.norm.weight.shape[0], first.attn.k_cache.shape[0]
         intermediate = model.layers[0].mlp.down_proj.in_features
         heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
-        self.cos, self.sin = model.rotary.tables(self.embedding.device)
+        self.cos, self.sin = model.rotary.tables(self.final_norm.device)
         self.scratch = torch.empty(decode_layers.scratch_floats(MAX_TOKENS, hidden, intermediate, heads, kv_heads,
                                                                 head_dim))
         # Each step's final hidden states land in x: valid until the next step.
@@ -112,12 +118,14 @@ class FusedDecode:
         # The step's shapes and tensors; each call fills in its rows' integers and where the logits go.
         self.step = decode_layers.Step(
             hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-            cache_entries=self.cache_entries, vocab=self.embedding.shape[0], max_position=self.cos.shape[0],
-            eps=model.layers[0].input_layernorm.eps, scale=first.attn.scale, embedding=self.embedding.data_ptr(),
+            cache_entries=self.cache_entries, vocab=_vocab_rows(self.embedding), max_position=self.cos.shape[0],
+            eps=model.layers[0].input_layernorm.eps, scale=first.attn.scale,
+            embedding=None if self.embedding.weight is None else self.embedding.weight.data_ptr(),
             cos_table=self.cos.data_ptr(), sin_table=self.sin.data_ptr(), final_norm=self.final_norm.data_ptr(),
             scratch=self.scratch.data_ptr())
         if head is not None:
-            self.step.head, self.step.head_rows = head.weight.data_ptr(), head.out_features
+            self.step.head = None if head.weight is None else head.weight.data_ptr()
+            self.step.head_rows = head.out_features
             self.step.head_bias = None if head.bias is None else head.bias.data_ptr()
             self.step.head_packed = Packing() if self.head_packed is None else self.head_packed.packing
 
@@ -130,7 +138,7 @@ class FusedDecode:
         if not isinstance(inner, QwenModel) or not inner.layers or not decode_layers.available():
             return None
         if not all(_runnable(layer) for layer in inner.layers) or not all(
-                t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+                t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous())
                 for t in (inner.embed_tokens.weight, inner.norm.weight)):
             return None
         layers = inner.layers
@@ -170,6 +178,8 @@ class FusedDecode:
             step.argmax = self.argmax_at if argmax else None
         else:
             step.logits = step.argmax = None
+        if self.embedding.weight is None:  # a packed embedding: its rows unpacked here, the kernel starts from x
+            self.x[:tokens] = self.embedding(torch.tensor(ids))
         decode_layers.decode_layers(self.layers, step, self.x_at, self.residual_at)
         if step.argmax:
             picks = self.argmax_ids[:tokens].tolist()

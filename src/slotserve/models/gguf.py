@@ -1,5 +1,6 @@
 """GGUF conversion: turn a Qwen2/Qwen3/Qwen3-MoE GGUF into a Hugging Face-layout directory (config.json,
-generation_config.json, float32 model.safetensors, tokenizer.json, tokenizer_config.json).
+generation_config.json, model.safetensors with the quantized tensors packed as the kernels read them and the
+rest in float32, tokenizer.json, tokenizer_config.json).
 
 Reading the file is `gguf_reader`'s job; this module maps its metadata, tensors and vocabulary to
 their Hugging Face equivalents and writes the directory atomically.
@@ -23,6 +24,7 @@ from typing import Any
 
 import gguf
 import numpy as np
+import torch
 from gguf import ExpertGatingFuncType, GGMLQuantizationType, Keys, TokenType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tqdm import tqdm
@@ -264,70 +266,92 @@ def _can_dequantize(qtype: GGMLQuantizationType) -> bool:
     return True
 
 
-_Job = tuple[str, int, int, int]  # GGUF tensor, rows [start, stop), where the float32 rows go in the file
+_Job = tuple[str, int, int, int]  # GGUF tensor, rows [start, stop), the first of them in the float32 array
+PACKED_METADATA = "slotserve.packed"  # the safetensors metadata key: {tensor: [n, k]} of the packed ones
+PACKED_PARTS = ("packed_values", "packed_scales", "packed_offsets")  # a packed tensor's three, `{name}.{part}`
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
-def write_safetensors(g: GGUFFile, mappings: list[TensorMapping], out_file: Path,
-                      pool: ThreadPool | None = None) -> None:
-    """Dequantize every mapped tensor to float32 into one safetensors file, on `pool`'s executors
-    (default `get_pool()`): gguf-py's numpy kernels and pwrite release the GIL.
+def write_weights(g: GGUFFile, mappings: list[TensorMapping], out_file: Path, pool: ThreadPool | None = None) -> None:
+    """Every mapped tensor into one safetensors file: a quantized 2-D tensor packed (kernels/packed_linear.py's
+    narrow form, exact, which the kernels read as it is: `{name}.packed_values`, `.packed_scales` and, where its
+    blocks have offsets, `.packed_offsets`, listed under PACKED_METADATA), where every block fits; the rest
+    float32. One tensor at a time is dequantized, on `pool`'s executors (default `get_pool()`: gguf-py's numpy
+    kernels release the GIL), so memory stays at the largest tensor's float32 whatever the model size."""
+    # Imported here: kernels.native imports model_store, which imports this module.
+    from slotserve.kernels.packed_linear import pack_narrow
 
-    The layout is known up front, so each chunk of rows is written at its own offset by whichever
-    executor dequantized it: no ordering, and memory stays at a chunk per executor whatever the model size.
-    """
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+
+    entries: list[tuple[str, str, list[int], int]] = []  # name, dtype, shape, bytes
+    packed: dict[str, list[int]] = {}
+    data_file = out_file.with_name(out_file.name + ".data")
+    pool = pool or get_pool()
+    with data_file.open("wb") as data, tqdm(total=sum(int(np.prod(m.shape)) * 4 for m in mappings),
+                                           desc="convert", unit="B", unit_scale=True) as bar:
+        for m in mappings:
+            rows = _dequantize(g, m, pool)
+            bar.update(rows.nbytes)
+            quantized = g.tensors[m.gguf_name].qtype not in _FLOAT_TYPES and rows.ndim == 2
+            tensor = pack_narrow(torch.from_numpy(rows)) if quantized else None
+            if tensor is None:
+                entries.append((m.hf_name, "F32", list(rows.shape), rows.nbytes))
+                data.write(rows.data)
+                continue
+            packed[m.hf_name] = [tensor.n, tensor.k]
+            for part, t in zip(PACKED_PARTS, (tensor.values, tensor.scales, tensor.offsets), strict=True):
+                if t is not None:
+                    entries.append((f"{m.hf_name}.{part}", "U8" if t.dtype == torch.uint8 else "F32",
+                                    list(t.shape), t.nbytes))
+                    data.write(t.numpy().data)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", PACKED_METADATA: json.dumps(packed)}}
     offset = 0
-    for m in mappings:
-        nbytes = int(np.prod(m.shape)) * 4
-        header[m.hf_name] = {"dtype": "F32", "shape": list(m.shape), "data_offsets": [offset, offset + nbytes]}
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)  # the format wants 8-byte aligned data
-    prefix = struct.pack("<Q", len(header_bytes)) + header_bytes
-
-    chunks = {name: g.tensors[name].row_chunks() for name in {m.gguf_name for m in mappings}}
-    jobs: list[_Job] = []
-    for m in mappings:
-        base = len(prefix) + header[m.hf_name]["data_offsets"][0]
-        lo, hi = m.rows
-        jobs += [(m.gguf_name, start, stop, base + (start - lo) * m.shape[-1] * 4)
-                 for start, stop in _clip(chunks[m.gguf_name], lo, hi)]
-
-    fd = os.open(out_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        _pwrite_all(fd, prefix, 0)
-        with tqdm(total=offset, desc="dequantize", unit="B", unit_scale=True) as bar:
-
-            def run(job: _Job) -> int:
-                name, start, stop, at = job
-                rows = g.dequantize_rows(name, start, stop)
-                _pwrite_all(fd, rows.data, at)
-                return rows.nbytes
-
-            _run_jobs(jobs, run, bar, pool or get_pool())
+        with out_file.open("wb") as out, data_file.open("rb") as data:
+            out.write(struct.pack("<Q", len(header_bytes)) + header_bytes)
+            out.flush()
+            shutil.copyfileobj(data, out, 16 << 20)
     finally:
-        os.close(fd)
+        data_file.unlink(missing_ok=True)
 
 
-def _run_jobs(jobs: list[_Job], run: Callable[[_Job], int], bar: tqdm, pool: ThreadPool) -> None:
+def _dequantize(g: GGUFFile, m: TensorMapping, pool: ThreadPool) -> np.ndarray:
+    """The HF tensor `m` as float32, in its shape; its row chunks dequantized in parallel."""
+    lo, hi = m.rows
+    out = np.empty((hi - lo, m.shape[-1]), dtype=np.float32)
+    jobs: list[_Job] = [(m.gguf_name, start, stop, start - lo)
+                        for start, stop in _clip(g.tensors[m.gguf_name].row_chunks(), lo, hi)]
+
+    def run(job: _Job) -> int:
+        name, start, stop, at = job
+        out[at:at + stop - start] = g.dequantize_rows(name, start, stop)
+        return 0
+
+    _run_jobs(jobs, run, pool)
+    return out.reshape(m.shape)
+
+
+def _run_jobs(jobs: list[_Job], run: Callable[[_Job], int], pool: ThreadPool) -> None:
     """run(job) for every job, each executor of `pool` taking the next job as soon as it is free: jobs
     differ in cost by quantization type, so a static split would leave executors idle at the end. Once
     a job raised, no more are taken, and the pool re-raises the error in the caller."""
-    lock = threading.Lock()  # guards the job iterator, `failed` and the progress bar
+    lock = threading.Lock()  # guards the job iterator and `failed`
     pending = iter(jobs)
     failed = False
 
     def executor(_ctx: Any, _index: int) -> None:
         nonlocal failed
-        nbytes = 0
         while True:
             with lock:
-                bar.update(nbytes)
                 job = None if failed else next(pending, None)
             if job is None:
                 return
             try:
-                nbytes = run(job)
+                run(job)
             except BaseException:
                 with lock:
                     failed = True
@@ -348,13 +372,6 @@ def _clip(chunks: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, in
             break
         clipped.append((max(start, lo), min(stop, hi)))
     return clipped
-
-
-def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------
@@ -464,7 +481,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, pool:
         _write_json(tmp / "generation_config.json", generation_config(g))
         _write_json(tmp / "tokenizer_config.json", tokenizer_config(g))
         tokenizer.save(str(tmp / "tokenizer.json"))
-        write_safetensors(g, mappings, tmp / "model.safetensors", pool)
+        write_weights(g, mappings, tmp / "model.safetensors", pool)
         tmp.chmod(0o755)  # mkdtemp makes it private
         try:
             tmp.rename(out_dir)

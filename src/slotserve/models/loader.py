@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +14,13 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
+from slotserve import host_memory
 from slotserve.config import ModelConfig
 from slotserve.distributed.group import UNSPLIT, ModelParallel
-from slotserve.layers.linear import MergedLinear, Shard
+from slotserve.kernels.packed_linear import PackedTensor, PackedWeight
+from slotserve.layers.embedding import VocabEmbedding
+from slotserve.layers.linear import Linear, MergedLinear, Shard
+from slotserve.models.gguf import PACKED_METADATA, PACKED_PARTS
 from slotserve.models.qwen3_vl import TensorParts
 from slotserve.models.registry import model_class
 
@@ -136,32 +141,123 @@ def load_weights(model: nn.Module, files: list[Path], dtype: torch.dtype, device
     split = getattr(model, "split_checkpoint_tensor", None)
     shapes = checkpoint_shapes(files) if split is not None else {}
     loaded: set[str] = set()
+    held = PackedParts(dtype, device)
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                for key in tqdm(f.keys(), desc=f"Loading {file.name}", unit="tensor", leave=False):
+                packed = packed_tensors(f)
+                keys = [k for k in f.keys() if k.rpartition(".")[0] not in packed] + list(packed)  # noqa: SIM118 (no __iter__)
+                for key in tqdm(keys, desc=f"Loading {file.name}", unit="tensor", leave=False):
                     if key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and key not in layout):
                         continue
                     tensor_name = key
                     if key not in layout and f"model.{key}" in layout:
                         key = f"model.{key}"  # a bare-decoder checkpoint (Qwen3Model) names tensors without it
                     if key not in layout and split is not None and (parts := split(key, shapes)) is not None:
-                        _place_parts(model, layout, parts, f.get_tensor(key), dtype, device, file)
+                        stacked = PackedWeight.of(packed[key]()).dequantize() if key in packed else f.get_tensor(key)
+                        _place_parts(model, layout, parts, stacked, dtype, device, file)
                         loaded.update(name for name, _ in parts)
                         continue
                     if key not in layout:
                         raise WeightsError(f"{file}: tensor {key!r} has no place in {type(model).__name__}")
                     place = layout[key]
-                    if place is not None:
+                    if place is not None and tensor_name in packed:
+                        held.place(model, place, packed[tensor_name](), file)
+                    elif place is not None:
                         _place(model, place, _read(f, tensor_name, place, file), dtype, device)
                     loaded.add(key)
         except SafetensorError as e:
             raise WeightsError(f"{file}: cannot read safetensors ({e})") from None
-    model.tie_weights()
     missing = sorted(set(layout) - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise WeightsError(f"{files[0].parent}: checkpoint lacks {len(missing)} tensors: {shown}")
+    held.finish(model)
+    model.tie_weights()
+
+
+def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a model directory's checkpoint by its name, packed ones dequantized to float32 (exactly the
+    weights they hold): what a float32 checkpoint of the same model would hold."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in weight_files(Path(path)):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            packed = packed_tensors(f)
+            tensors.update({k: f.get_tensor(k) for k in f.keys() if k.rpartition(".")[0] not in packed})  # noqa: SIM118
+            tensors.update({name: PackedWeight.of(read()).dequantize() for name, read in packed.items()})
+    return tensors
+
+
+def packed_tensors(f: Any) -> dict[str, Callable[[], PackedTensor]]:
+    """A safetensors file's packed tensors (models/gguf.py writes them): name -> its PackedTensor, read when called
+    (views of the memory-mapped file)."""
+    listed = json.loads((f.metadata() or {}).get(PACKED_METADATA, "{}"))
+    keys = set(f.keys())
+
+    def reader(name: str, n: int, k: int) -> Callable[[], PackedTensor]:
+        values, scales, offsets = (f"{name}.{part}" for part in PACKED_PARTS)
+        return lambda: PackedTensor(f.get_tensor(values), f.get_tensor(scales),
+                                    f.get_tensor(offsets) if offsets in keys else None, n, k)
+
+    return {name: reader(name, n, k) for name, (n, k) in listed.items()}
+
+
+@dataclass
+class PackedParts:
+    """A checkpoint's packed tensors on their way into the model: a linear's or an embedding's weight (or the
+    parts of a merged one, this rank's shard of each) becomes its packing (`hold_packed`) once all are read; any
+    other, or one whose parts do not stack on whole pairs of rows, is dequantized into a float32 parameter."""
+
+    dtype: torch.dtype
+    device: torch.device
+    parts: dict[nn.Module, list[tuple[TensorPlace, PackedTensor]]] = field(default_factory=dict)
+
+    def place(self, model: nn.Module, place: TensorPlace, tensor: PackedTensor, file: Path) -> None:
+        if (tensor.n, tensor.k) != place.shape[-2:] or len(place.shape) != 2:
+            raise WeightsError(f"{file}: packed tensor of {place.param} has shape {(tensor.n, tensor.k)}, "
+                               f"the config implies {place.shape}")
+        module_name, _, param_name = place.param.rpartition(".")
+        module = model.get_submodule(module_name)
+        if (param_name == "weight" and isinstance(module, Linear | VocabEmbedding) and self.device.type == "cpu"
+                and self.dtype == torch.float32):
+            try:
+                self.parts.setdefault(module, []).append((place, _packed_shard(tensor, place.shard)))
+                return
+            except ValueError:  # not on whole pairs or blocks: dequantized below
+                self.parts.pop(module, None)
+        _place(model, place, _dense_shard(tensor, place.shard), self.dtype, self.device)
+
+    def finish(self, model: nn.Module) -> None:
+        for module, parts in self.parts.items():
+            parts.sort(key=lambda part: 0 if part[0].rows is None else part[0].rows.start)
+            rows = module.out_features if isinstance(module, Linear) else module.weight.shape[0]
+            try:
+                tensor = PackedTensor.cat([t for _, t in parts]).padded(rows)
+            except ValueError:  # parts that do not stack: a float32 weight, as a float32 checkpoint gives
+                for place, t in parts:
+                    _place(model, place, PackedWeight.of(t).dequantize(), self.dtype, self.device)
+                continue
+            if len(parts) > 1:  # copied into one: the parts' file pages are no longer read
+                for _, t in parts:
+                    for buffer in (t.values, t.scales, t.offsets):
+                        if buffer is not None:
+                            host_memory.release_pages(buffer)
+            module.hold_packed(PackedWeight.of(tensor, getattr(module, "bias", None)))
+
+
+def _packed_shard(tensor: PackedTensor, shard: Shard | None) -> PackedTensor:
+    """This rank's part of a packed tensor (ValueError where it does not fall on pairs of rows or blocks)."""
+    if shard is None:
+        return tensor
+    return tensor.pairs(shard.start, shard.stop) if shard.dim == 0 else tensor.columns(shard.start, shard.stop)
+
+
+def _dense_shard(tensor: PackedTensor, shard: Shard | None) -> torch.Tensor:
+    dense = PackedWeight.of(tensor).dequantize()
+    if shard is None:
+        return dense
+    index = (slice(None),) * shard.dim + (slice(shard.start, shard.stop),)
+    return dense[index].contiguous()
 
 
 def checkpoint_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:

@@ -1,12 +1,11 @@
 """Which of a model's linears run packed (kernels/packed_linear.py), and what the load line says of it.
 
-Every float32 CPU `Linear` whose weight has a form a kernel here runs is packed, once, as the runner is built:
-integers under a scale per block of 32, plus an offset or not (GGUF's Q8_0/Q5_0/Q4_K: a byte a value,
-`narrow`), or under a scale per half block (GGUF's Q6_K), wherever the kernels build; bfloat16 values under a
-scale (a bfloat16 checkpoint) where the CPU has AMX. A narrow packing runs a step's 1..FEW_ROWS rows on the
-vector units, AMX the rest (a bfloat16 packing's from AMX_MIN_ROWS on); without AMX, and for Q6_K, more rows
-stay on the float32 weight (layers/linear.py). Nothing is packed where the packed copies, kept beside the
-float32 weights, could take over half the memory still available, nor where the kernels are not built or
+A GGUF's linears arrive packed from the checkpoint (the loader's `hold_packed`). Every float32 CPU `Linear`
+whose weight has a form a kernel here runs is packed too, once, as the runner is built: integers under a
+scale per block of 32, plus an offset or not (a byte a value, `narrow`), or under a scale per half block,
+wherever the kernels build; bfloat16 values under a scale (a bfloat16 checkpoint) where the CPU has AMX, for
+the rows AMX takes (layers/linear.py). Nothing is packed where the packed copies, kept beside the float32
+weights, could take over half the memory still available, nor where the kernels are not built or
 `SLOTSERVE_PACK_WEIGHTS=0`.
 """
 
@@ -18,7 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from slotserve import host_memory
 from slotserve.kernels import packed_linear
+from slotserve.layers.embedding import VocabEmbedding
 from slotserve.layers.linear import Linear
 from slotserve.models.loader import available_memory
 
@@ -27,36 +28,63 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PackingReport:
-    """What `pack_linears` did: the model's linears, how many of them run packed, and how many of those on AMX
-    (the rest: a narrow packing's few rows only)."""
+    """What `pack_linears` found and did: the model's linears, how many run packed, how many of those on AMX,
+    and how many of them hold their checkpoint's packing alone (a GGUF's: no float32 copy)."""
 
     linears: int
     packed: int = 0
     on_amx: int = 0
+    held: int = 0
 
     def summary(self) -> str:
         """The load line's words on it ("" where nothing is packed)."""
-        few = f"bytes for 1-{packed_linear.FEW_ROWS} rows"
         if not self.packed:
             return ""
-        if not self.on_amx:
-            return f"{few}: {self.packed} of {self.linears} linears"
-        rest = self.packed - self.on_amx
-        return f"AMX: {self.on_amx} of {self.linears} linears" + (f" ({few}: {rest} more)" if rest else "")
+        where = "AMX and vector units" if self.on_amx else "vector units"
+        held = f", {self.held} without a float32 copy" if self.held else ""
+        return f"packed on the {where}: {self.packed} of {self.linears} linears{held}"
 
 
 def pack_linears(model: nn.Module) -> PackingReport:
-    """Packs the model's linears as the module docstring says (each layer's `packed`); what it did."""
+    """Packs the model's float32 linears as the module docstring says (each layer's `packed`); what it did."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    candidates = [m for m in linears if m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
-    if not candidates or not packed_linear.packs():
-        return PackingReport(len(linears))
+    held = [m.packed for m in linears if m.weight is None]
+    candidates = [m for m in linears if m.weight is not None and m.weight.device.type == "cpu"
+                  and m.weight.dtype == torch.float32]
+    packed = []
     need = packed_linear.BYTES_PER_WEIGHT * sum(m.weight.numel() for m in candidates)
     available = available_memory(torch.device("cpu")).available
-    if need > available / 2:
+    if candidates and packed_linear.packs() and need > available / 2:
         log.warning("weights not packed: packing the linears could take %.1f GiB of the %.1f GiB available",
                     need / 2**30, available / 2**30)
-        return PackingReport(len(linears))
-    with torch.inference_mode():
-        packed = [m.packed for m in candidates if m.pack()]
-    return PackingReport(len(linears), len(packed), sum(p.max_rows > packed_linear.FEW_ROWS for p in packed))
+    elif candidates and packed_linear.packs():
+        with torch.inference_mode():
+            packed = [m.packed for m in candidates if m.pack()]
+    every = held + packed
+    return PackingReport(len(linears), len(every), sum(p.min_rows < packed_linear.ALL_ROWS for p in every),
+                         len(held))
+
+
+def move_packings(model: nn.Module, available: int) -> int:
+    """Copies the packings the model's linears hold alone (a checkpoint's, views of its file) into one huge-page
+    region, as host_memory.move_weights does for parameters, and returns the bytes moved (0 where they stay:
+    huge pages off, or more than `available`). An untied embedding's packing stays in the file: a step reads
+    only its rows, so most of it is never resident."""
+    holders = [m for m in model.modules() if isinstance(m, Linear) and m.weight is None]
+    unique = {id(m.packed): m.packed for m in holders}
+    users = [m for m in model.modules() if isinstance(m, Linear | VocabEmbedding) and id(m.packed) in unique]
+    buffers = [t for p in unique.values() for t in (p.values, p.scales, p.offsets) if t is not None]
+    copies = host_memory.into_huge_pages(buffers, available)
+    if copies is None:
+        return 0
+    moved = 0
+    for key in list(unique):
+        p = unique.pop(key)
+        values, scales = next(copies), next(copies)
+        offsets = None if p.offsets is None else next(copies)
+        new = packed_linear.PackedWeight(None, p.bias, values, scales, offsets, p.n, p.k, p.halves)
+        for m in users:
+            if m.packed is p:
+                m.packed = new  # the old buffers (a merged projection's copy) go as the next ones are copied
+        moved += new.nbytes
+    return moved

@@ -22,7 +22,7 @@ from slotserve.config import ModelConfig
 from slotserve.distributed.group import SINGLE, UNSPLIT, ModelParallel, RankGroup
 from slotserve.layers.activation import silu_mul
 from slotserve.layers.attention import Attention, AttentionMetadata, kv_head_shard
-from slotserve.layers.embedding import VocabEmbedding, gather_logits, lm_head
+from slotserve.layers.embedding import VocabEmbedding, gather_logits, lm_head, tie
 from slotserve.layers.linear import Linear, MergedLinear, Shard
 from slotserve.layers.norm import RMSNorm
 from slotserve.layers.rotary import RotaryEmbedding, apply_rotary
@@ -164,7 +164,7 @@ class QwenForCausalLM(nn.Module):
     def tie_weights(self) -> None:
         """Shares the embedding with the output head when the config says so (again after loading)."""
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            tie(self.lm_head, self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 keep: torch.Tensor | None = None) -> torch.Tensor:

@@ -23,7 +23,7 @@ from torch import nn
 from slotserve.config import ConfigError, ModelConfig
 from slotserve.distributed.group import UNSPLIT, ModelParallel
 from slotserve.layers.attention import AttentionMetadata
-from slotserve.layers.embedding import gather_logits, lm_head
+from slotserve.layers.embedding import gather_logits, lm_head, tie
 from slotserve.layers.rotary import MropeRotaryEmbedding
 from slotserve.models.qwen import MlpFactory, QwenModel, dense_mlp
 from slotserve.models.qwen3_moe import check_moe_config, moe_mlp
@@ -93,7 +93,7 @@ class Qwen3VLForConditionalGeneration(nn.Module):
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.language_model.embed_tokens.weight
+            tie(self.lm_head, self.model.language_model.embed_tokens)
 
     @torch.inference_mode()
     def encode_images(self, pixel_values: list[torch.Tensor], grids: list[tuple[int, int, int]]) -> list[EncodedImage]:
