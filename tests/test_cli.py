@@ -25,13 +25,14 @@ def run_dev(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("command", [[], ["generate"], ["chat"], ["models"], ["bench", "latency"],
-                                     ["bench", "throughput"], ["bench", "embed"], ["bench", "serve"]])
+                                     ["bench", "throughput"], ["bench", "embed"], ["bench", "serve"],
+                                     ["bench", "quality"]])
 def test_help(command):
     result = run(*command, "--help")
     assert result.returncode == 0 and "usage: slotserve" in result.stdout
 
 
-@pytest.mark.parametrize("command", [[], ["kernels"], ["attention"], ["threads"], ["quality"]])
+@pytest.mark.parametrize("command", [[], ["kernels"], ["attention"], ["threads"]])
 def test_dev_bench_help(command):
     result = run_dev(*command, "--help")
     assert result.returncode == 0 and "usage: python -m slotserve.bench.dev" in result.stdout

@@ -1,6 +1,7 @@
 """The few-row kernel (few_rows.c) where AMX is not: a narrow packing (GGUF's integer blocks, 1 byte a value)
-serves steps of 1..FEW_ROWS rows on the vector units of any CPU, its AVX2 build with the AVX-512 build's bits,
-as close to float64 as a float32 GEMM; more rows, and weights of other forms, keep the float32 path."""
+serves every step below PANEL_ROWS rows on the vector units of any CPU, FEW_ROWS rows at a time, its AVX2 build
+with the AVX-512 build's bits, as close to float64 as a float32 GEMM, each row's bits the same in any batch;
+weights of other forms keep the float32 path."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from slotserve.engine.model_runner import ModelRunner
 from slotserve.kernels import native, packed_linear
-from slotserve.kernels.packed_linear import AMX_MIN_ROWS, BLOCK, FEW_ROWS, PAIR, PackedWeight
+from slotserve.kernels.packed_linear import AMX_MIN_ROWS, BLOCK, FEW_ROWS, PAIR, PANEL_ROWS, PackedWeight
 from slotserve.layers.linear import Linear
 from slotserve.models.loader import load_model
 from tests.conftest import build_tiny_model
@@ -40,23 +41,37 @@ def no_amx(monkeypatch):
     packed_linear.amx_available.cache_clear()
 
 
-def test_without_amx_integer_blocks_pack_for_their_few_rows_only(no_amx):
+def test_without_amx_integer_blocks_pack_for_every_row_count(no_amx):
+    """Below PANEL_ROWS on few_rows.c; from there on in panels, unless those would be float32 panels of the
+    float32 weight a float32 checkpoint keeps beside its packing."""
     assert not packed_linear.amx_available()
+    panels = packed_linear.panel_dtype() != torch.float32
     for w in (_block_scaled(64, 96, 16), _block_scaled(64, 96, 127), _q4_k(64, 96), _q6_k(64, 96)):
         packed = PackedWeight.pack(w)
-        assert packed.narrow and [packed.runs(r) for r in range(7)] == [False, True, True, True, True, False, False]
-        assert not packed.runs(AMX_MIN_ROWS) and not packed.runs(300)
+        assert packed.narrow and [packed.runs(r) for r in range(7)] == [False] + [True] * 6
+        assert packed.runs(AMX_MIN_ROWS) and packed.runs(PANEL_ROWS - 1)
+        assert packed.runs(PANEL_ROWS) == packed.runs(300) == panels
     # bfloat16 values would need AMX to be worth their 2 bytes: float32 stays.
     assert PackedWeight.pack(torch.randn(64, 96).bfloat16().float()) is None
 
 
-def test_without_amx_a_linear_runs_few_rows_packed_and_more_on_its_float32_weight(no_amx):
+def test_without_amx_a_linear_runs_packed_where_its_packing_runs(no_amx):
     layer = Linear(96, 64, bias=True).requires_grad_(False)
     layer.weight.data.copy_(_q4_k(64, 96))
     assert layer.pack()
-    assert layer.streamed_bytes(1) == layer.packed.nbytes < layer.weight.nbytes
-    assert layer.streamed_bytes(FEW_ROWS + 1) == layer.weight.nbytes
-    assert_a_linear_runs_packed_where_its_packing_runs(layer, (1, FEW_ROWS, FEW_ROWS + 1, 40))
+    assert layer.streamed_bytes(1) == layer.streamed_bytes(FEW_ROWS + 1) == layer.packed.nbytes < layer.weight.nbytes
+    panels = packed_linear.panel_dtype() != torch.float32
+    assert layer.streamed_bytes(PANEL_ROWS) == (layer.packed.nbytes if panels else layer.weight.nbytes)
+    assert_a_linear_runs_packed_where_its_packing_runs(layer, (1, FEW_ROWS, FEW_ROWS + 1, 40, PANEL_ROWS))
+
+
+def test_without_amx_a_row_gets_the_same_bits_in_any_batch_below_panel_rows(no_amx):
+    packed = PackedWeight.pack(_q4_k(100, 128), torch.randn(100))
+    x = torch.randn(PANEL_ROWS - 1, 128)
+    whole = packed(x)
+    for rows in (1, FEW_ROWS - 1, FEW_ROWS + 1, 2 * FEW_ROWS + 3):
+        assert torch.equal(packed(x[:rows]), whole[:rows])
+    assert torch.equal(packed(x[7:13]), whole[7:13])
 
 
 @pytest.mark.parametrize("kind", FEW_ROW_WEIGHTS)
@@ -80,16 +95,16 @@ def test_other_builds_give_the_same_bits(kind, build):
                            OTHER_BUILDS[build])
     if gemm is None:
         pytest.skip(f"no {build} build here")
+    here = native.function(packed_linear.FEW_ROWS_SOURCE, "slotserve_few_rows_gemm", packed_linear._GEMM_ARGS)
     n, k = 1000, 896  # pairs of weight tiles and a last, partial one
     packed = PackedWeight.pack(FEW_ROW_WEIGHTS[kind](n, k), torch.randn(n))
-    x = torch.randn(FEW_ROWS + 1, k)
-    for rows in range(1, FEW_ROWS + 1):
-        out = torch.empty(rows, n)
-        assert gemm(x.data_ptr(), ctypes.byref(packed.packing), packed.bias.data_ptr(), out.data_ptr(), rows, n, k,
-                    2) == 0
-        assert torch.equal(out, packed(x[:rows]))
-    # More rows than the few-row kernel takes: the caller's other paths (AMX, or the float32 weight).
-    assert gemm(x.data_ptr(), ctypes.byref(packed.packing), None, out.data_ptr(), FEW_ROWS + 1, n, k, 2) == -2
+    x = torch.randn(2 * FEW_ROWS + 1, k)
+    for rows in range(1, 2 * FEW_ROWS + 2):  # groups of FEW_ROWS and a last, partial one
+        out, expected = torch.empty(rows, n), torch.empty(rows, n)
+        for f, y in ((gemm, out), (here, expected)):
+            assert f(x.data_ptr(), ctypes.byref(packed.packing), packed.bias.data_ptr(), y.data_ptr(), rows, n, k,
+                     2) == 0
+        assert torch.equal(out, expected)
 
 
 def test_without_amx_the_fused_step_has_the_layer_paths_bits(no_amx, tmp_path):
@@ -106,7 +121,7 @@ def test_without_amx_the_fused_step_has_the_layer_paths_bits(no_amx, tmp_path):
                                  block_size=4) for _ in range(2))
     report = fused.packing_report
     assert (report.packed, report.on_amx) == (4, 0) and fused.fused is not None  # gate/up, down
-    assert report.summary() == f"bytes for 1-{FEW_ROWS} rows: 4 of {report.linears} linears"
+    assert report.summary() == f"packed on the vector units: 4 of {report.linears} linears"
     assert_fused_steps_have_the_layer_paths_bits(fused, layers, (1, FEW_ROWS, FEW_ROWS + 1))
 
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, Want
 from slotserve.kernels import native, packed_linear
-from slotserve.kernels.packed_linear import AMX_MIN_ROWS, BLOCK, FEW_ROWS, PAIR, PackedWeight
+from slotserve.kernels.packed_linear import ALL_ROWS, AMX_MIN_ROWS, BLOCK, FEW_ROWS, PAIR, PANEL_ROWS, PackedWeight
 from slotserve.layers.linear import Linear
 from slotserve.models.loader import load_model
 from slotserve.models.packing import PackingReport
@@ -203,9 +203,23 @@ def test_packs_block_scaled_weights_and_nothing_else():
 def test_integer_blocks_pack_in_a_byte_a_value_with_the_same_bits(weight, narrow):
     packed, wide = PackedWeight.pack(weight), PackedWeight.pack(weight, narrow=False)
     assert packed.narrow == narrow and packed.values.element_size() == (1 if narrow else 2) and not wide.narrow
-    x = torch.randn(PAIR * 4 * torch.get_num_threads() + 13, 128)
+    x = torch.randn(PANEL_ROWS - 1, 128)
     for rows in (AMX_MIN_ROWS, 45, x.shape[0]):  # one row tile (prefetching), a few, one per thread
         assert torch.equal(packed(x[:rows]), wide(x[:rows]))
+
+
+@pytest.mark.parametrize("kind", FEW_ROW_WEIGHTS)
+@pytest.mark.parametrize("n,k", [(40, 96), (1000, 4864)])  # one panel; several, the last of a partial pair
+def test_panels_are_as_close_to_float64_as_torchs_gemm_in_their_dtype(kind, n, k):
+    """From PANEL_ROWS rows on, a narrow packing multiplies unpacked panels in panel_dtype()."""
+    g = torch.Generator().manual_seed(n)
+    w, bias, x = FEW_ROW_WEIGHTS[kind](n, k), torch.randn(n, generator=g), torch.randn(PANEL_ROWS + 3, k, generator=g)
+    dtype = packed_linear.panel_dtype()
+    exact = x.double() @ w.double().T + bias.double()
+    ours = PackedWeight.pack(w, bias)(x)
+    reference = torch.mm(x.to(dtype), w.to(dtype).T).float() + bias
+    err, reference_err = ((y.double() - exact).abs().max().item() for y in (ours, reference))
+    assert err <= 2 * reference_err + 1e-6
 
 
 @pytest.mark.parametrize("kind", WEIGHTS)
@@ -232,10 +246,13 @@ def test_a_row_gets_the_same_bits_in_any_batch(kind):
     packed = PackedWeight.pack(WEIGHTS[kind](100, 128), torch.randn(100))
     # Enough row tiles that each thread splits its own (amx_gemm.c's TILES_PER_THREAD); the slices split first.
     x = torch.randn(PAIR * 4 * torch.get_num_threads() + 13, 128)
-    whole = packed(x)
-    for rows in (FEW_ROWS + 1, 31, 32, 33, 64, 70):
+    whole = packed(x[:PANEL_ROWS - 1])  # from PANEL_ROWS on, a narrow packing's calls take panels
+    for rows in (FEW_ROWS + 1, 31, 32, 33):
         assert torch.equal(packed(x[:rows]), whole[:rows])
     assert torch.equal(packed(x[40:46])[0], whole[40])
+    if not packed.narrow:
+        for rows in (64, 70):
+            assert torch.equal(packed(x[:rows]), packed(x)[:rows])
 
 
 @pytest.mark.parametrize("kind", WEIGHTS)
@@ -294,13 +311,14 @@ def test_no_rows_give_no_rows(weight):
     assert packed(torch.empty(0, 96)).shape == (0, 64) and not packed.runs(0)
 
 
-def test_scales_per_half_block_pack_for_few_rows_only():
+def test_scales_per_half_block_pack_for_the_vector_units_only():
+    """AMX has no int8 form for a scale per 16: every call below PANEL_ROWS takes few_rows.c."""
     packed = PackedWeight.pack(_q6_k(64, 96), torch.randn(64))
     assert packed.narrow and packed.halves and packed.offsets is None and packed.scales.numel() == 2 * 64 * 96 // 32
-    assert [packed.runs(r) for r in (0, 1, FEW_ROWS, FEW_ROWS + 1, AMX_MIN_ROWS)] == [
-        False, True, True, False, False]
-    with pytest.raises(ValueError, match="rows"):
-        packed(torch.randn(FEW_ROWS + 1, 96))
+    assert packed.min_rows == ALL_ROWS
+    assert [packed.runs(r) for r in (0, 1, FEW_ROWS, FEW_ROWS + 1, AMX_MIN_ROWS)] == [False] + [True] * 4
+    x = torch.randn(AMX_MIN_ROWS, 96)
+    assert torch.equal(packed(x)[:FEW_ROWS + 1], packed(x[:FEW_ROWS + 1]))
 
 
 @pytest.mark.parametrize("weight", [_block_scaled(64, 64, 16),
@@ -315,9 +333,10 @@ def test_bad_input_is_refused(weight):
 
 def test_the_packing_report_is_the_load_lines_words():
     assert PackingReport(10).summary() == ""
-    assert PackingReport(10, 4).summary() == f"bytes for 1-{FEW_ROWS} rows: 4 of 10 linears"
-    assert PackingReport(10, 4, 4).summary() == "AMX: 4 of 10 linears"
-    assert PackingReport(10, 4, 3).summary() == f"AMX: 3 of 10 linears (bytes for 1-{FEW_ROWS} rows: 1 more)"
+    assert PackingReport(10, 4).summary() == "packed on the vector units: 4 of 10 linears"
+    assert PackingReport(10, 4, 3).summary() == "packed on the AMX and vector units: 4 of 10 linears"
+    assert PackingReport(10, 4, 3, 4).summary() == (
+        "packed on the AMX and vector units: 4 of 10 linears, 4 without a float32 copy")
 
 
 def _runner(path) -> ModelRunner:

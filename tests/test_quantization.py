@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from slotserve import LLM, SamplingParams
-from slotserve.bench.dev.quality import add_arguments, run_quality
+from slotserve.bench.quality import add_arguments, run_quality
 from slotserve.config import EngineConfig, ModelConfig
 from slotserve.engine.model_runner import ScheduledSeq, Want
 from slotserve.layers.quantization import Int8Linear, quantize_int8
@@ -115,11 +115,12 @@ def test_quality_bench_runs(tiny_qwen2):
     add_arguments(parser)
     args = parser.parse_args(["--new-tokens", "4", "--decode-steps", "2", "--batch", "2", "--context-len", "8",
                               "--repeats", "1"])
-    result = run_quality(EngineConfig(model=str(tiny_qwen2), **SMALL_CACHE), args)
-    assert result["float32"]["perplexity"] > 1 and result["int8"]["perplexity"] > 1
+    result = run_quality(EngineConfig(model=str(tiny_qwen2), quantization="int8", **SMALL_CACHE), args)
+    assert (result["reference"]["quantization"], result["engine"]["quantization"]) == (None, "int8")
+    assert result["reference"]["perplexity"] > 1 and result["engine"]["perplexity"] > 1
     assert 0 <= result["comparison"]["greedy_identical_fraction"] <= 1
-    assert result["comparison"]["int8_greedy_same_alone_and_batched"]
-    assert_figures(result, "int8.decode_batch1_tokens_per_s")
+    assert result["comparison"]["engine_greedy_same_alone_and_batched"]
+    assert_figures(result, "engine.decode_batch1_tokens_per_s")
 
 
 @pytest.mark.parametrize("which", ["float32", "int8"])

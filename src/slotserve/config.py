@@ -238,6 +238,14 @@ class ExpertCommKind(enum.Enum):
     ALL_GATHER = "all-gather"  # every rank's tokens to every rank; the outputs reduce-scattered back
 
 
+class PrefillPrecision(enum.Enum):
+    """What calls of many rows (prefill) on a GGUF's packed weights multiply in (kernels/packed_linear.py)."""
+
+    AUTO = "auto"  # bfloat16 where the CPU has bfloat16 dot products (AMX, AVX512-BF16), else float32
+    BFLOAT16 = "bfloat16"  # weights and activations rounded to bfloat16, float32 sums
+    FLOAT32 = "float32"  # the weights' exact values
+
+
 @dataclass
 class EngineConfig:
     """What the user chose: which model, where, and the bounds of the KV cache and the batch."""
@@ -254,6 +262,7 @@ class EngineConfig:
     task: str = "auto"  # "generate" | "embed" | "auto": embed for embedding checkpoints, else generate
     seed: int = 0
     quantization: str | None = None  # "int8": dynamically quantized int8 linear layers (CPU, float32 only)
+    prefill_precision: PrefillPrecision = PrefillPrecision.AUTO  # a GGUF's prefill: bfloat16 or float32
     # CPU threads for torch and the parfor pool (they take turns; see parallel/cpu.py). None: the cores in
     # cpu_affinity, else SLOTSERVE_THREADS, else the cores this process may use.
     threads: int | None = None
@@ -300,13 +309,13 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
         if self.quantization is not None:
             self._check_quantization()
+        self._check_kinds()
         self._check_parallel()
 
-    def _check_parallel(self) -> None:
-        tp = self.tensor_parallel_size
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise ValueError(f"tensor_parallel_size: must be a positive integer, got {tp!r}")
-        for name, kind in (("distributed_executor_backend", ExecutorBackend), ("expert_comm", ExpertCommKind)):
+    def _check_kinds(self) -> None:
+        """The enum fields, given as their values (a CLI's strings) or as members."""
+        for name, kind in (("distributed_executor_backend", ExecutorBackend), ("expert_comm", ExpertCommKind),
+                           ("prefill_precision", PrefillPrecision)):
             value = getattr(self, name)
             if value is None or isinstance(value, kind):
                 continue
@@ -315,6 +324,11 @@ class EngineConfig:
             except ValueError:
                 raise ValueError(f"{name}: unknown value {value!r}; choose one of "
                                  f"{', '.join(k.value for k in kind)}") from None
+
+    def _check_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size: must be a positive integer, got {tp!r}")
         if self.distributed_executor_backend is None and tp > 1:
             self.distributed_executor_backend = ExecutorBackend.MP
         if self.enable_expert_parallel and tp == 1:

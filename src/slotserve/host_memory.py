@@ -12,11 +12,13 @@ this off; off Linux it is a no-op.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import logging
 import mmap
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -88,19 +90,19 @@ def into_huge_pages(tensors: list[torch.Tensor], available: int) -> Iterator[tor
     region = huge_page_bytes(total)  # its pages are faulted in as the copies touch them
 
     def copies() -> Iterator[torch.Tensor]:
-        offset = 0
+        offset, mappings = 0, FileMappings.read()
         while tensors:
             t = tensors.pop(0)  # held no longer here: the caller's last reference may go
             view = region[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
             view.copy_(t.detach())
-            release_pages(t)
+            release_pages(t, mappings)
             offset += _round_up(t.nbytes, _ALIGN)
             yield view
 
     return copies()
 
 
-def release_pages(tensor: torch.Tensor) -> None:
+def release_pages(tensor: torch.Tensor, mappings: FileMappings) -> None:
     """Drops the whole pages under a contiguous tensor from this process (MADV_DONTNEED), once it is no longer
     read: a view of a memory-mapped checkpoint then stops counting in the process's resident memory (the page
     cache keeps the file; a later read would fault the pages back in). Anonymous memory is left alone."""
@@ -108,7 +110,7 @@ def release_pages(tensor: torch.Tensor) -> None:
         return
     start = _round_up(tensor.data_ptr(), mmap.PAGESIZE)
     stop = (tensor.data_ptr() + tensor.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-    if stop > start and _file_backed(start):
+    if stop > start and mappings.holds(start):
         _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), MADV_DONTNEED)
 
 
@@ -116,16 +118,29 @@ MADV_DONTNEED = 4
 _libc = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None
 
 
-def _file_backed(address: int) -> bool:
-    """Whether the mapping holding `address` maps a file (/proc/self/maps names a path)."""
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                span, _, rest = line.partition(" ")
-                lo, _, hi = span.partition("-")
-                if int(lo, 16) <= address < int(hi, 16):
+@dataclass(frozen=True)
+class FileMappings:
+    """The address ranges of this process that map a file, as /proc/self/maps listed them when read."""
+
+    starts: tuple[int, ...]
+    stops: tuple[int, ...]
+
+    @classmethod
+    def read(cls) -> FileMappings:
+        spans = []
+        try:
+            with open("/proc/self/maps") as f:
+                for line in f:
+                    span, _, rest = line.partition(" ")
                     fields = rest.split(maxsplit=4)
-                    return len(fields) == 5 and fields[4].startswith("/")
-    except OSError:
-        return False
-    return False
+                    if len(fields) == 5 and fields[4].startswith("/"):
+                        lo, _, hi = span.partition("-")
+                        spans.append((int(lo, 16), int(hi, 16)))
+        except OSError:
+            pass
+        spans.sort()
+        return cls(tuple(lo for lo, _ in spans), tuple(hi for _, hi in spans))
+
+    def holds(self, address: int) -> bool:
+        i = bisect.bisect_right(self.starts, address) - 1
+        return i >= 0 and address < self.stops[i]

@@ -23,10 +23,17 @@ FMA_SOURCE = Path(native.__file__).with_name("fma_peak.c")
 FMA_SECONDS = 0.1  # of one fma_peak pass, about
 
 
-def gemm_pass() -> Callable[[], object]:
-    """One fp32 GEMM of GEMM_SIZE squared: the sustained rate of a large shape."""
-    a, b = torch.randn(GEMM_SIZE, GEMM_SIZE), torch.randn(GEMM_SIZE, GEMM_SIZE)
+def gemm_pass(dtype: torch.dtype = torch.float32) -> Callable[[], object]:
+    """One GEMM of GEMM_SIZE squared in `dtype`: the sustained rate of a large shape."""
+    a, b = torch.randn(GEMM_SIZE, GEMM_SIZE, dtype=dtype), torch.randn(GEMM_SIZE, GEMM_SIZE, dtype=dtype)
     return lambda: a @ b
+
+
+def gemm_rate(dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of a large square GEMM in `dtype`, best of three after a warm-up."""
+    gemm = gemm_pass(dtype)
+    gemm()
+    return GEMM_FLOPS / min(seconds(gemm) for _ in range(3))
 
 
 def fma_peak() -> float | None:

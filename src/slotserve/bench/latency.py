@@ -1,4 +1,5 @@
-"""`slotserve bench latency`: load time, time to first token, single-request prefill and decode speed."""
+"""`slotserve bench latency`: load time, time to first token, single-request prefill and decode speed (and
+prefill's share of this machine's GEMM rate in the dtype it multiplies in), resident memory."""
 
 from __future__ import annotations
 
@@ -9,6 +10,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+from torch import nn
+
+from slotserve.bench.bounds import attention_pair_flops, gemm_rate, linear_params
+from slotserve.bench.memory import peak_resident_bytes, resident_bytes, weight_bytes
+from slotserve.kernels.packed_linear import PANEL_ROWS
+from slotserve.layers.linear import Linear
 from slotserve.sampling_params import SamplingParams
 
 
@@ -28,8 +36,24 @@ def _timed_request(engine, request_id: str, prompt: list[int], max_tokens: int) 
     return first - start, time.perf_counter() - first
 
 
+def prefill_dtype(model: nn.Module) -> torch.dtype:
+    """What a long prompt's linears multiply in: their packings' panels where they have packings
+    (kernels/packed_linear.py), else the model's dtype."""
+    for m in model.modules():
+        if isinstance(m, Linear) and (packed := m.current_packed()) is not None and packed.runs(PANEL_ROWS):
+            return packed.panel_dtype if packed.narrow else torch.bfloat16  # a bfloat16 packing: on AMX
+    return next(model.parameters()).dtype
+
+
+def _prefill_flops(model: nn.Module, cfg: Any, tokens: int) -> int:
+    """One prompt's prefill: every token through the decoder's linears, one row of the head, attention."""
+    body, head, _ = linear_params(model)
+    return 2 * body * tokens + 2 * head + attention_pair_flops(cfg) * tokens * (tokens + 1) // 2
+
+
 def run_latency(make_llm: Callable[[argparse.Namespace], Any], args: argparse.Namespace,
                 started: float) -> dict[str, Any]:
+    runtime = resident_bytes()  # torch and the rest of the process before a model is loaded
     llm = make_llm(args)
     engine = llm.engine
     rng = random.Random(0)
@@ -41,6 +65,10 @@ def run_latency(make_llm: Callable[[argparse.Namespace], Any], args: argparse.Na
     decode = [_timed_request(engine, f"decode-{i}", _random_prompt(rng, 16), args.output_len)[1]
               for i in range(args.repeats)]
     prefill_s, decode_s = statistics.median(prefill), statistics.median(decode)
+    model, cpu = engine.runner.model, engine.device.type == "cpu"
+    dtype = prefill_dtype(model)
+    rate = gemm_rate(dtype) if cpu else None
+    prefill_rate = _prefill_flops(model, engine.model_config, args.input_len) / prefill_s
     return {
         "bench": "latency",
         "model": args.model,
@@ -51,8 +79,16 @@ def run_latency(make_llm: Callable[[argparse.Namespace], Any], args: argparse.Na
         "input_len": args.input_len,
         "prefill_seconds": round(prefill_s, 4),
         "prefill_tokens_per_s": round(args.input_len / prefill_s, 1),
+        "prefill_GFLOPs": round(prefill_rate / 1e9, 1),
+        "prefill_dtype": str(dtype).removeprefix("torch."),
+        # A large square GEMM in that dtype, measured here: what prefill's linears would run at in torch.
+        "gemm_GFLOPs": round(rate / 1e9, 1) if rate else None,
+        "prefill_fraction_of_gemm": round(prefill_rate / rate, 3) if rate else None,
         "output_len": args.output_len,
         "decode_tokens_per_s": round((args.output_len - 1) / decode_s, 2),
         "decode_ms_per_token": round(1000 * decode_s / (args.output_len - 1), 2),
         "repeats": args.repeats,
+        "weight_bytes": weight_bytes(model),
+        "resident_bytes_before_load": runtime if cpu else None,
+        "peak_resident_bytes": peak_resident_bytes() if cpu else None,
     }

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import resource
 import statistics
 import sys
 import time
@@ -14,8 +13,8 @@ from typing import Any
 
 import torch
 
-from slotserve.bench.bounds import GEMM_FLOPS, attention_pair_flops, fma_peak, gemm_pass, linear_params
-from slotserve.bench.timing import seconds
+from slotserve.bench.bounds import attention_pair_flops, fma_peak, gemm_rate, linear_params
+from slotserve.bench.memory import peak_resident_bytes, weight_bytes
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.model_runner import ScheduledSeq
 from slotserve.sampling_params import SamplingParams
@@ -82,12 +81,6 @@ def _decode_rate_bare(engine: LLMEngine, prompt: list[int], steps: int) -> float
         return steps / (time.perf_counter() - start)
     finally:
         engine.kv.pool.free(blocks)
-
-
-def _gemm_rate() -> float:
-    """FLOP/s of a large square float32 GEMM, best of three."""
-    gemm = gemm_pass()
-    return GEMM_FLOPS / min(seconds(gemm) for _ in range(3))
 
 
 def _run_flops(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> int:
@@ -185,11 +178,11 @@ def run_throughput(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any
     batched_prompts = _prompts(engine, args, args.num_prompts, rng)
     _run(engine, _prompts(engine, args, 1, rng), 4, one_at_a_time=True)  # warm-up
     fp32_cpu = engine.device.type == "cpu" and engine.dtype == torch.float32 and not engine.config.quantization
-    rate_before, peak_before = (_gemm_rate(), fma_peak()) if fp32_cpu else (0.0, None)
+    rate_before, peak_before = (gemm_rate(), fma_peak()) if fp32_cpu else (0.0, None)
     print(f"batched: {args.num_prompts} requests ...", file=sys.stderr)
     batched = _run(engine, batched_prompts, args.output_len, one_at_a_time=False)
     bounds = (_bounds(_run_flops(engine, batched_prompts, args.output_len), batched["seconds"],
-                      max(rate_before, _gemm_rate()), peak_before and max(peak_before, fma_peak() or 0.0))
+                      max(rate_before, gemm_rate()), peak_before and max(peak_before, fma_peak() or 0.0))
               if fp32_cpu else {"gemm_bound": None, "fma_peak": None})
     rounds = _against_transformers(engine, args, rng, (batched_prompts, batched)) if args.compare_transformers else []
     alone = None
@@ -204,7 +197,7 @@ def run_throughput(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any
         bare_rates.append(_decode_rate_bare(engine, decode_prompt, args.output_len // 2))
     engine_rate, bare_rate = statistics.median(engine_rates), statistics.median(bare_rates)
     peak = (torch.cuda.max_memory_allocated() if engine.device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+            else peak_resident_bytes())
     return {
         "bench": "throughput",
         "model": engine.config.model,
@@ -235,6 +228,7 @@ def run_throughput(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any
             if rounds and bounds[name] else None) for name in ("gemm_bound", "fma_peak")},
         "prefix_cache_hit_rate": round(engine.kv.stats.hit_rate, 3),
         "preemptions": engine.scheduler.num_preemptions,
+        "weight_bytes": weight_bytes(engine.runner.model),
         "peak_memory_bytes": peak,
         "peak_memory_kind": "cuda_allocated" if engine.device.type == "cuda" else "process_max_rss",
     }

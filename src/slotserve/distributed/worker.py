@@ -174,7 +174,7 @@ class Worker:
                 return
             if isinstance(message, AllocateCache):
                 self.runner = ModelRunner(self.model, self.model_config, message.num_blocks, self.config.block_size,
-                                          ubatching=UbatchPolicy.of(self.config))
+                                          ubatching=UbatchPolicy.of(self.config), prefill=self.config.prefill_precision)
                 self.report("ready")
                 continue
             faults.check(FaultPoint.WORKER_STEP)

@@ -106,7 +106,8 @@ class EngineCore:
         if self.workers is not None:
             self.workers.wait_for("loaded")
             self.workers.allocate_cache(num_blocks)
-        self.runner = ModelRunner(self.model, cfg, num_blocks, config.block_size, ubatching=UbatchPolicy.of(config))
+        self.runner = ModelRunner(self.model, cfg, num_blocks, config.block_size, ubatching=UbatchPolicy.of(config),
+                                  prefill=config.prefill_precision)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()

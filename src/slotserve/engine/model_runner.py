@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from slotserve import host_memory
-from slotserve.config import EngineConfig, ModelConfig
+from slotserve.config import EngineConfig, ModelConfig, PrefillPrecision
 from slotserve.distributed.group import UNSPLIT
 from slotserve.engine import faults
 from slotserve.engine.faults import FaultPoint
@@ -133,9 +133,11 @@ class ModelRunner:
     """Owns the model and its paged KV cache; stateless across steps beyond the cache contents."""
 
     def __init__(self, model: nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 decode_mode: str | None = None, ubatching: UbatchPolicy | None = None) -> None:
+                 decode_mode: str | None = None, ubatching: UbatchPolicy | None = None,
+                 prefill: PrefillPrecision = PrefillPrecision.AUTO) -> None:
         """decode_mode: how decode rows read the cache (layers/attention.py); None: "paged" where the CPU
-        kernel runs, else "batched". ubatching: which steps run as micro-batches (under tensor parallel)."""
+        kernel runs, else "batched". ubatching: which steps run as micro-batches (under tensor parallel).
+        prefill: what packed weights' calls of many rows multiply in."""
         self.model, self.cfg = model, cfg
         self.ubatching = ubatching or UbatchPolicy()
         self.overlap = True  # this rank's vote on splitting steps; a benchmark switches it off to compare
@@ -148,7 +150,7 @@ class ModelRunner:
         cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
         self.native_gemm = cpu_fp32 and small_gemm.available()
         self.native_row_ops = cpu_fp32 and norm_rotary_swiglu_argmax.available()
-        self.packing_report = pack_linears(model)  # which linears run packed (models/packing.py)
+        self.packing_report = pack_linears(model, prefill)  # which linears run packed (models/packing.py)
         layers = [m for m in model.modules() if isinstance(m, Attention)]
         kv_heads = layers[0].num_kv_heads  # this rank's, under tensor parallel
         self.gather_limit = gather_max_tokens(kv_heads, cfg.head_dim, self.dtype)

@@ -14,6 +14,7 @@ from typing import Any
 _STARTED = time.perf_counter()
 
 # Torch-free imports, after _STARTED: the start of `bench latency`'s "time to first token".
+from slotserve.bench.quality import add_arguments as quality_args  # noqa: E402
 from slotserve.bench.serve import add_arguments as serve_bench_args  # noqa: E402
 
 
@@ -40,6 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_options: bool = True) -> Non
     g.add_argument("--quantization", default=None, choices=["int8"],
                    help="int8: dynamically quantized int8 linear layers (CPU, float32; faster decode, "
                         "slightly different output)")
+    g.add_argument("--prefill-precision", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="what a GGUF model's prefill multiplies in; auto: bfloat16 where the CPU has bfloat16 "
+                        "dot products (AMX, AVX512-BF16), else float32 (the weights' exact values)")
     g = p.add_argument_group("parallel (one model over several ranks)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks to split the model over (heads, MLP width, vocabulary); default 1")
@@ -199,7 +203,8 @@ def engine_config(args: argparse.Namespace):
                         kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching, task=args.task,
-                        quantization=args.quantization, threads=args.threads, cpu_affinity=args.cpu_affinity,
+                        quantization=args.quantization, prefill_precision=args.prefill_precision,
+                        threads=args.threads, cpu_affinity=args.cpu_affinity,
                         tensor_parallel_size=args.tensor_parallel_size,
                         enable_expert_parallel=args.enable_expert_parallel, expert_comm=args.expert_comm,
                         distributed_executor_backend=args.distributed_executor_backend,
@@ -296,6 +301,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from slotserve.bench.vision import run_vision
 
         result = run_vision(args)
+    elif args.bench == "quality":
+        from slotserve.bench.quality import run_quality
+
+        result = run_quality(engine_config(args), args)
     elif args.bench == "serve":
         from slotserve.bench.serve import run_serve_bench
 
@@ -431,6 +440,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--images", type=int, default=4, help="images per timed call of the vision tower")
     b.add_argument("--repeats", type=int, default=3, help="timed runs of each measurement; the median is reported")
     b.add_argument("--no-transformers", action="store_true", help="time slotserve alone (needs --model)")
+    b.set_defaults(func=cmd_bench)
+    b = bench.add_parser("quality", help="the engine as configured against the model's float32 reference: "
+                                         "perplexity, greedy agreement, decode speed")
+    quality_args(b)
+    add_engine_args(b)
     b.set_defaults(func=cmd_bench)
     b = bench.add_parser("serve", help="load a running server: request throughput, TTFT, TPOT, ITL")
     serve_bench_args(b)

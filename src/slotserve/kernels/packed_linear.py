@@ -22,12 +22,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from slotserve import host_memory
+from slotserve.config import PrefillPrecision
 from slotserve.kernels import native
 
 PACK_SOURCE = Path(__file__).with_name("packed_linear.c")
@@ -67,18 +69,22 @@ def amx_available() -> bool:
     return init is not None and init() == 0
 
 
+def panel_dtype(precision: PrefillPrecision = PrefillPrecision.AUTO) -> torch.dtype:
+    """What calls of PANEL_ROWS rows or more multiply in, by the engine's choice; AUTO: bfloat16 where the CPU has
+    bfloat16 dot products (AMX, AVX512-BF16), else float32."""
+    if precision is PrefillPrecision.AUTO:
+        return torch.bfloat16 if _bfloat16_units() else torch.float32
+    return torch.bfloat16 if precision is PrefillPrecision.BFLOAT16 else torch.float32
+
+
 @functools.cache
-def panel_dtype() -> torch.dtype:
-    """What calls of PANEL_ROWS rows or more multiply in: bfloat16 where the CPU has bfloat16 dot products (AMX,
-    AVX512-BF16) and `SLOTSERVE_PREFILL_FLOAT32` is not 1, else float32."""
-    if os.environ.get("SLOTSERVE_PREFILL_FLOAT32", "0") == "1":
-        return torch.float32
+def _bfloat16_units() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     except OSError:
         flags = []
-    return torch.bfloat16 if {"amx_bf16", "avx512_bf16"} & set(flags) else torch.float32
+    return bool({"amx_bf16", "avx512_bf16"} & set(flags))
 
 
 @functools.cache
@@ -194,6 +200,18 @@ class PackedTensor:
                             sum(p.n for p in parts), parts[0].k)
 
 
+_workspace = threading.local()  # each thread's panel, kept: a new one per call would fault its pages in again
+
+
+def _panel(k: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
+    """This thread's panel buffer as [k, columns] of `dtype`, grown where it is too small."""
+    need = k * columns * dtype.itemsize
+    buffer = getattr(_workspace, "panel", None)
+    if buffer is None or buffer.numel() < need:
+        buffer = _workspace.panel = torch.empty(need, dtype=torch.uint8)
+    return buffer[:need].view(dtype).view(k, columns)
+
+
 class PackedWeight:
     """One linear's weight (and bias) packed for the packed kernels (few_rows.c; amx_gemm.c where AMX runs);
     holds the float32 weight it was packed from (None: a checkpoint's packing, no float32 weight), which is what a
@@ -209,6 +227,7 @@ class PackedWeight:
         self.max_rows = ALL_ROWS if self.narrow or amx else 0
         self.packing = Packing(values.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
                                self.narrow, halves, self.min_rows, self.max_rows)
+        self.panel_dtype = panel_dtype()  # the engine's PrefillPrecision sets it (models/packing.py)
         self._few_rows = native.function(FEW_ROWS_SOURCE, "slotserve_few_rows_gemm", _GEMM_ARGS)
         self._amx = native.function(AMX_SOURCE, "slotserve_amx_gemm", _GEMM_ARGS) if amx_available() else None
 
@@ -260,7 +279,7 @@ class PackedWeight:
             return False
         if not self.narrow:
             return self.min_rows <= rows <= self.max_rows
-        return not (rows >= PANEL_ROWS and self.weight is not None and panel_dtype() == torch.float32)
+        return not (rows >= PANEL_ROWS and self.weight is not None and self.panel_dtype == torch.float32)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ weight^T + bias."""
@@ -268,6 +287,8 @@ class PackedWeight:
             raise ValueError(f"packed_linear: x {tuple(x.shape)} {x.dtype} on {x.device} does not multiply a "
                              f"float32 CPU weight of {self.k} columns")
         x, rows = x.contiguous(), x.shape[0]
+        if rows == 0:
+            return torch.empty(0, self.n)
         if self.narrow and rows >= PANEL_ROWS:
             return self._panels(x)
         out = torch.empty(rows, self.n)
@@ -284,13 +305,13 @@ class PackedWeight:
 
     def _panels(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight^T + bias through torch's GEMM, a panel of the weight's rows unpacked at a time."""
-        dtype = panel_dtype()
+        dtype = self.panel_dtype
         unpack = native.require(native.function(PACK_SOURCE, "slotserve_unpack_panel", _PANEL_ARGS), PACK_SOURCE)
         pairs = -(-self.n // PAIR)
         step = max(1, PANEL_BYTES // (self.k * PAIR * dtype.itemsize))
         xs = x.to(dtype)
         out = torch.empty(x.shape[0], self.n)
-        panel = torch.empty(self.k, min(step, pairs) * PAIR, dtype=dtype)
+        panel = _panel(self.k, min(step, pairs) * PAIR, dtype)
         for first in range(0, pairs, step):
             count = min(step, pairs - first)
             unpack(ctypes.byref(self.packing), self.k, first, count, panel.data_ptr(), panel.shape[1],

@@ -141,7 +141,7 @@ def load_weights(model: nn.Module, files: list[Path], dtype: torch.dtype, device
     split = getattr(model, "split_checkpoint_tensor", None)
     shapes = checkpoint_shapes(files) if split is not None else {}
     loaded: set[str] = set()
-    held = PackedParts(dtype, device)
+    held = PackedParts(dtype, device, layout)
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -206,10 +206,12 @@ def packed_tensors(f: Any) -> dict[str, Callable[[], PackedTensor]]:
 class PackedParts:
     """A checkpoint's packed tensors on their way into the model: a linear's or an embedding's weight (or the
     parts of a merged one, this rank's shard of each) becomes its packing (`hold_packed`) once all are read; any
-    other, or one whose parts do not stack on whole pairs of rows, is dequantized into a float32 parameter."""
+    other, a merged weight with a part the checkpoint does not pack (a GGUF's BF16 q beside its Q8_0 k and v),
+    or one whose parts do not stack on whole pairs of rows, is dequantized into a float32 parameter."""
 
     dtype: torch.dtype
     device: torch.device
+    layout: dict[str, TensorPlace | None]
     parts: dict[nn.Module, list[tuple[TensorPlace, PackedTensor]]] = field(default_factory=dict)
 
     def place(self, model: nn.Module, place: TensorPlace, tensor: PackedTensor, file: Path) -> None:
@@ -228,20 +230,26 @@ class PackedParts:
         _place(model, place, _dense_shard(tensor, place.shard), self.dtype, self.device)
 
     def finish(self, model: nn.Module) -> None:
+        mappings = None
         for module, parts in self.parts.items():
             parts.sort(key=lambda part: 0 if part[0].rows is None else part[0].rows.start)
             rows = module.out_features if isinstance(module, Linear) else module.weight.shape[0]
+            param = parts[0][0].param
+            every_part = len(parts) == sum(p is not None and p.param == param for p in self.layout.values())
             try:
+                if not every_part:
+                    raise ValueError("some parts of the weight are not packed")
                 tensor = PackedTensor.cat([t for _, t in parts]).padded(rows)
-            except ValueError:  # parts that do not stack: a float32 weight, as a float32 checkpoint gives
+            except ValueError:  # a float32 weight, as a float32 checkpoint gives
                 for place, t in parts:
                     _place(model, place, PackedWeight.of(t).dequantize(), self.dtype, self.device)
                 continue
             if len(parts) > 1:  # copied into one: the parts' file pages are no longer read
+                mappings = mappings or host_memory.FileMappings.read()
                 for _, t in parts:
                     for buffer in (t.values, t.scales, t.offsets):
                         if buffer is not None:
-                            host_memory.release_pages(buffer)
+                            host_memory.release_pages(buffer, mappings)
             module.hold_packed(PackedWeight.of(tensor, getattr(module, "bias", None)))
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from slotserve import host_memory
+from slotserve.config import PrefillPrecision
 from slotserve.kernels import packed_linear
 from slotserve.layers.embedding import VocabEmbedding
 from slotserve.layers.linear import Linear
@@ -45,8 +46,9 @@ class PackingReport:
         return f"packed on the {where}: {self.packed} of {self.linears} linears{held}"
 
 
-def pack_linears(model: nn.Module) -> PackingReport:
-    """Packs the model's float32 linears as the module docstring says (each layer's `packed`); what it did."""
+def pack_linears(model: nn.Module, prefill: PrefillPrecision = PrefillPrecision.AUTO) -> PackingReport:
+    """Packs the model's float32 linears as the module docstring says (each layer's `packed`), every packing's
+    calls of many rows in `prefill`'s precision; what it did."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     held = [m.packed for m in linears if m.weight is None]
     candidates = [m for m in linears if m.weight is not None and m.weight.device.type == "cpu"
@@ -61,6 +63,8 @@ def pack_linears(model: nn.Module) -> PackingReport:
         with torch.inference_mode():
             packed = [m.packed for m in candidates if m.pack()]
     every = held + packed
+    for p in every:
+        p.panel_dtype = packed_linear.panel_dtype(prefill)
     return PackingReport(len(linears), len(every), sum(p.min_rows < packed_linear.ALL_ROWS for p in every),
                          len(held))
 

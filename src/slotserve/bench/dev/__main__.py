@@ -1,4 +1,4 @@
-"""`python -m slotserve.bench.dev {kernels,attention,threads,quality} [args]`: the developer benchmarks."""
+"""`python -m slotserve.bench.dev {kernels,attention,threads} [args]`: the developer benchmarks."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ import argparse
 import json
 import sys
 
-from slotserve.bench.dev.quality import add_arguments as quality_args
 from slotserve.bench.dev.threads import add_arguments as threads_args
-from slotserve.entrypoints.cli import add_engine_args, engine_config, main, make_llm
+from slotserve.entrypoints.cli import add_engine_args, main, make_llm
 
 
 def cmd_dev_bench(args: argparse.Namespace) -> int:
@@ -16,10 +15,6 @@ def cmd_dev_bench(args: argparse.Namespace) -> int:
         from slotserve.bench.dev.kernels import run_kernels
 
         result = run_kernels(make_llm(args).engine, args)
-    elif args.bench == "quality":
-        from slotserve.bench.dev.quality import run_quality
-
-        result = run_quality(engine_config(args), args)
     elif args.bench == "threads":
         from slotserve.bench.dev.threads import run_threads
 
@@ -53,9 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--context-len", type=int, default=256, help="context of each sequence in the batched decode")
     b.add_argument("--decode-steps", type=int, default=16)
     b.add_argument("--repeats", type=int, default=3)
-    add_engine_args(b)
-    b = bench.add_parser("quality", help="float32 vs int8 weights: perplexity, greedy agreement, decode speed")
-    quality_args(b)
     add_engine_args(b)
     b = bench.add_parser("threads", help="parfor pool: dispatch cost vs ThreadPoolExecutor, matmul on 1..N threads")
     threads_args(b)

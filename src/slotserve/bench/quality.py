@@ -1,8 +1,10 @@
-"""`python -m slotserve.bench.dev quality`: float32 against int8 weights on the same model, in the same run.
+"""`slotserve bench quality`: the engine as configured against the float32 reference of the same model, in the
+same run. The reference multiplies the checkpoint's exact weights in float32 throughout (a GGUF's dequantized
+values; no int8 linears, float32 prefill); the engine may round (a bfloat16 prefill, `--quantization int8`).
 
-Quality: perplexity of a fixed text (English prose and Python), how often the two models agree on
-the text's next tokens, and greedy completions of fixed prompts compared token for token. Speed:
-batch-1 decode tokens/s and the time of one decode step over many sequences.
+Quality: perplexity of a fixed text (English prose and Python), how often the two agree on the text's next
+tokens, and greedy completions of fixed prompts compared token for token. Speed: batch-1 decode tokens/s and
+the time of one decode step over many sequences.
 
 This module imports torch only when it runs, so the CLI can build its parser without it.
 """
@@ -91,16 +93,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_quality(config: EngineConfig, args: argparse.Namespace) -> dict[str, Any]:
-    """Loads `config`'s model twice, float32 and int8, and measures both; the figures side by side."""
+    """Loads `config`'s model twice, as the reference and as configured, and measures both side by side."""
     import torch
 
+    from slotserve.config import PrefillPrecision
     from slotserve.entrypoints.llm import LLM
 
     load_start = os.getloadavg()
-    llms = {"float32": LLM.from_config(replace(config, quantization=None)),
-            "int8": LLM.from_config(replace(config, quantization="int8"))}
+    reference = replace(config, quantization=None, prefill_precision=PrefillPrecision.FLOAT32)
+    llms = {"reference": LLM.from_config(reference), "engine": LLM.from_config(config)}
     engines = {name: llm.engine for name, llm in llms.items()}
-    ids = engines["float32"].tokenizer.encode(QUALITY_TEXT)
+    ids = engines["reference"].tokenizer.encode(QUALITY_TEXT)
     logprobs = {name: _text_logprobs(engine, ids) for name, engine in engines.items()}
     greedy = {name: _greedy(llm, args.new_tokens) for name, llm in llms.items()}
     # Alone, each prompt is computed whole: a prefix-cache hit on the batched run's blocks would split it
@@ -124,32 +127,40 @@ def run_quality(config: EngineConfig, args: argparse.Namespace) -> dict[str, Any
     }
     for name, engine in engines.items():
         result[name] = {
+            "quantization": engine.config.quantization,
+            "prefill_dtype": _prefill_dtype(engine),
             "load_seconds": round(engine.load_seconds, 2),
             "perplexity": round(_perplexity(logprobs[name], ids), 4),
             "decode_batch1_tokens_per_s": round(statistics.median(speed[name]["batch1"]), 2),
             f"decode_step_{args.batch}seq_ms": round(1000 * statistics.median(speed[name]["step"]), 1),
         }
-    fp, q8 = result["float32"], result["int8"]
-    prefixes = [_common_prefix(a, b) for a, b in zip(greedy["float32"], greedy["int8"], strict=True)]
+    ref, ours = result["reference"], result["engine"]
+    prefixes = [_common_prefix(a, b) for a, b in zip(greedy["reference"], greedy["engine"], strict=True)]
     result["comparison"] = {
-        "perplexity_ratio": round(q8["perplexity"] / fp["perplexity"], 4),
-        "text_top1_agreement": round(_top1_agreement(logprobs["float32"], logprobs["int8"]), 4),
-        "text_mean_kl": round(_mean_kl(logprobs["float32"], logprobs["int8"]), 5),
+        "perplexity_ratio": round(ours["perplexity"] / ref["perplexity"], 4),
+        "text_top1_agreement": round(_top1_agreement(logprobs["reference"], logprobs["engine"]), 4),
+        "text_mean_kl": round(_mean_kl(logprobs["reference"], logprobs["engine"]), 5),
         "greedy_prompts": len(prefixes),
         "greedy_tokens": args.new_tokens,
         "greedy_identical_fraction": round(sum(p == args.new_tokens for p in prefixes) / len(prefixes), 3),
         "greedy_mean_common_prefix": round(statistics.mean(prefixes), 1),
         "greedy_common_prefixes": prefixes,
-        # float32 rows are bitwise batch-invariant where the native small GEMM runs them (1..11 rows).
-        "float32_greedy_same_alone_and_batched": alone["float32"] == greedy["float32"],
-        "int8_greedy_same_alone_and_batched": alone["int8"] == greedy["int8"],
-        "decode_batch1_speedup": round(q8["decode_batch1_tokens_per_s"] / fp["decode_batch1_tokens_per_s"], 2),
-        f"decode_step_{args.batch}seq_speedup": round(fp[f"decode_step_{args.batch}seq_ms"]
-                                                      / q8[f"decode_step_{args.batch}seq_ms"], 2),
+        # Decode rows are bitwise batch-invariant (docs/performance.md); a prompt's prefill is not, in general.
+        "reference_greedy_same_alone_and_batched": alone["reference"] == greedy["reference"],
+        "engine_greedy_same_alone_and_batched": alone["engine"] == greedy["engine"],
+        "decode_batch1_speedup": round(ours["decode_batch1_tokens_per_s"] / ref["decode_batch1_tokens_per_s"], 2),
+        f"decode_step_{args.batch}seq_speedup": round(ref[f"decode_step_{args.batch}seq_ms"]
+                                                      / ours[f"decode_step_{args.batch}seq_ms"], 2),
     }
     result["load_average"] = {"start": [round(x, 2) for x in load_start],
                               "end": [round(x, 2) for x in os.getloadavg()]}
     return result
+
+
+def _prefill_dtype(engine: LLMEngine) -> str:
+    from slotserve.bench.latency import prefill_dtype
+
+    return str(prefill_dtype(engine.runner.model)).removeprefix("torch.")
 
 
 def _with_blocks(engine: LLMEngine, num_tokens: int, body: Callable[[list[int]], Any]) -> Any:

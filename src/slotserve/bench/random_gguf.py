@@ -1,0 +1,164 @@
+"""`python -m slotserve.bench.random_gguf OUT.gguf`: a Qwen2 GGUF of a large model's shapes (Qwen2.5-7B's by
+default) in Q4_K_M's types, its weights random blocks, its tokenizer the bundled model's: a model too large for
+the bundled ones to measure load time, memory and speed on (`slotserve bench latency -m OUT.gguf`).
+
+The blocks are written as random bytes, not quantized from float weights, so a 7B file takes seconds, not an
+hour: any bytes are valid Q4_K and Q6_K blocks, and only the block scales are chosen, to give weights of about
+WEIGHT_STD (the text it generates is noise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from slotserve import model_store
+from slotserve.models.gguf_reader import read_gguf
+
+WEIGHT_STD = 0.02  # about what a trained model's linears hold
+# The bytes of one block of 256 values: Q4_K holds d and dmin (float16), 12 bytes of 6-bit scales and mins, 128
+# of 4-bit values; Q6_K holds 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, then d (float16).
+BLOCK = 256
+Q4_K_BYTES, Q6_K_BYTES = 144, 210
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """A Qwen2 model's sizes, as its config.json gives them."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    context: int = 32768
+    rope_theta: float = 1_000_000.0
+
+
+SHAPES = {
+    "qwen2.5-7b": Shapes(hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4, vocab=152064),
+    "qwen2.5-3b": Shapes(hidden=2048, intermediate=11008, layers=36, heads=16, kv_heads=2, vocab=151936),
+}
+
+
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's Q4_K_M rule for attn_v and ffn_down: Q6_K in the first and last eighth and every third
+    layer between, Q4_K in the others."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def tensor_types(s: Shapes) -> dict[str, tuple[tuple[int, ...], Q]]:
+    """GGUF name -> (numpy shape, type) of every tensor, as llama.cpp's Q4_K_M writes a Qwen2 model."""
+    kv = s.hidden // s.heads * s.kv_heads
+    tensors = {"token_embd.weight": ((s.vocab, s.hidden), Q.Q4_K), "output_norm.weight": ((s.hidden,), Q.F32),
+               "output.weight": ((s.vocab, s.hidden), Q.Q6_K)}
+    for i in range(s.layers):
+        wide = Q.Q6_K if _more_bits(i, s.layers) else Q.Q4_K
+        b = f"blk.{i}."
+        tensors |= {
+            b + "attn_norm.weight": ((s.hidden,), Q.F32), b + "ffn_norm.weight": ((s.hidden,), Q.F32),
+            b + "attn_q.weight": ((s.hidden, s.hidden), Q.Q4_K), b + "attn_q.bias": ((s.hidden,), Q.F32),
+            b + "attn_k.weight": ((kv, s.hidden), Q.Q4_K), b + "attn_k.bias": ((kv,), Q.F32),
+            b + "attn_v.weight": ((kv, s.hidden), wide), b + "attn_v.bias": ((kv,), Q.F32),
+            b + "attn_output.weight": ((s.hidden, s.hidden), Q.Q4_K),
+            b + "ffn_gate.weight": ((s.intermediate, s.hidden), Q.Q4_K),
+            b + "ffn_up.weight": ((s.intermediate, s.hidden), Q.Q4_K),
+            b + "ffn_down.weight": ((s.hidden, s.intermediate), wide),
+        }
+    return tensors
+
+
+def _float16_bytes(value: float, count: int) -> np.ndarray:
+    return np.full(count, value, dtype=np.float16).view(np.uint8).reshape(count, 2)
+
+
+def random_blocks(rows: int, columns: int, qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    """[rows, bytes per row] of random Q4_K or Q6_K blocks whose values spread about WEIGHT_STD."""
+    blocks = rows * columns // BLOCK
+    if qtype == Q.Q4_K:  # value = d * scale * q - dmin * min; q in 0..15, scale and min in 0..63
+        out = rng.integers(0, 256, (blocks, Q4_K_BYTES), dtype=np.uint8)
+        d = WEIGHT_STD / 257  # the spread of scale * q - 7.5 * min, over uniform bytes
+        out[:, 0:2], out[:, 2:4] = _float16_bytes(d, blocks), _float16_bytes(7.5 * d, blocks)  # min centres q
+    else:  # value = d * scale * (q - 32); q in 0..63; the int8 scales kept in 1..16
+        out = rng.integers(0, 256, (blocks, Q6_K_BYTES), dtype=np.uint8)
+        out[:, 192:208] = rng.integers(1, 17, (blocks, 16), dtype=np.uint8)
+        out[:, 208:210] = _float16_bytes(WEIGHT_STD / (10.0 * 18.5), blocks)  # rms scale 10, q - 32 of 18.5
+    return out.reshape(rows, -1)
+
+
+def _metadata(writer: gguf.GGUFWriter, s: Shapes, tokenizer_source: Path) -> None:
+    writer.add_string("general.name", "random-qwen2")
+    writer.add_uint32("qwen2.block_count", s.layers)
+    writer.add_uint32("qwen2.context_length", s.context)
+    writer.add_uint32("qwen2.embedding_length", s.hidden)
+    writer.add_uint32("qwen2.feed_forward_length", s.intermediate)
+    writer.add_uint32("qwen2.attention.head_count", s.heads)
+    writer.add_uint32("qwen2.attention.head_count_kv", s.kv_heads)
+    writer.add_float32("qwen2.rope.freq_base", s.rope_theta)
+    writer.add_float32("qwen2.attention.layer_norm_rms_epsilon", 1e-6)
+    source = read_gguf(tokenizer_source).metadata
+    tokens = list(source["tokenizer.ggml.tokens"])
+    types = list(source["tokenizer.ggml.token_type"])
+    pads = s.vocab - len(tokens)  # real Qwen GGUFs list the embedding's padding rows as [PAD] tokens
+    writer.add_array("tokenizer.ggml.tokens", tokens + [f"[PAD{len(tokens) + i}]" for i in range(pads)])
+    writer.add_array("tokenizer.ggml.token_type", types + [int(gguf.TokenType.UNUSED)] * pads)
+    for key, value in source.items():
+        if key.startswith("tokenizer.") and key not in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
+            if isinstance(value, list):
+                writer.add_array(key, value)
+            elif isinstance(value, bool):
+                writer.add_bool(key, value)
+            elif isinstance(value, int):
+                writer.add_uint32(key, value)
+            else:
+                writer.add_string(key, value)
+
+
+def write_random_gguf(out: Path, s: Shapes, tokenizer_source: Path, seed: int = 0) -> int:
+    """Writes the GGUF, one tensor at a time; its size in bytes."""
+    tensors = tensor_types(s)
+    writer = gguf.GGUFWriter(out, "qwen2")
+    _metadata(writer, s, tokenizer_source)
+    for name, (shape, qtype) in tensors.items():
+        if qtype == Q.F32:
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
+        else:
+            row = shape[1] // BLOCK * (Q4_K_BYTES if qtype == Q.Q4_K else Q6_K_BYTES)
+            writer.add_tensor_info(name, (shape[0], row), np.dtype(np.uint8), shape[0] * row, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for name, (shape, qtype) in tensors.items():
+        if qtype != Q.F32:
+            writer.write_tensor_data(random_blocks(shape[0], shape[1], qtype, rng))
+        else:  # norms of one, biases of zero
+            writer.write_tensor_data(np.full(shape, 1.0 if name.endswith("norm.weight") else 0.0, np.float32))
+    writer.close()
+    return out.stat().st_size
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m slotserve.bench.random_gguf", description=__doc__.split("\n")[0])
+    parser.add_argument("out", type=Path, help="the GGUF file to write")
+    parser.add_argument("--shape", default="qwen2.5-7b", choices=sorted(SHAPES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer-from", type=Path, default=None,
+                        help="a Qwen GGUF to take the tokenizer from (default: the bundled model's)")
+    args = parser.parse_args(argv)
+    source = args.tokenizer_from or model_store.assemble(model_store.DEFAULT_MODEL)
+    size = write_random_gguf(args.out, SHAPES[args.shape], source, args.seed)
+    print(json.dumps({"gguf": str(args.out), "shape": args.shape, "bytes": size}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""The random large-model GGUF (bench/random_gguf.py): Q4_K_M's types, weights of about WEIGHT_STD, a model the
+engine loads on its packings and runs."""
+
+from __future__ import annotations
+
+import math
+
+
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from slotserve.bench.random_gguf import SHAPES, WEIGHT_STD, Shapes, tensor_types, write_random_gguf
+from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
+from slotserve.models.gguf import convert_gguf
+from slotserve.models.gguf_reader import read_gguf
+from slotserve.models.loader import load_model
+from tests.gguf_fixtures import VOCAB_ROWS, tiny_gguf
+
+SMALL = Shapes(hidden=256, intermediate=512, layers=8, heads=4, kv_heads=2, vocab=VOCAB_ROWS + 32, context=512)
+
+
+def test_the_7b_shapes_and_types_are_q4_k_m():
+    tensors = tensor_types(SHAPES["qwen2.5-7b"])
+    params = sum(math.prod(shape) for shape, _ in tensors.values())
+    assert 7.0e9 < params < 7.7e9  # Qwen2.5-7B: 7.6 B
+    assert tensors["output.weight"][1] == Q.Q6_K and tensors["token_embd.weight"][1] == Q.Q4_K
+    wide = [i for i in range(28) if tensors[f"blk.{i}.ffn_down.weight"][1] == Q.Q6_K]
+    assert wide == [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 24, 25, 26, 27]  # llama.cpp's use_more_bits
+
+
+def test_a_random_gguf_converts_and_runs(tmp_path):
+    tokenizer = tiny_gguf()[0].write(tmp_path / "tokenizer.gguf")
+    path = tmp_path / "random.gguf"
+    write_random_gguf(path, SMALL, tokenizer)
+    g = read_gguf(path)
+    assert g.tensors["blk.0.ffn_down.weight"].qtype == Q.Q6_K and g.tensors["blk.3.ffn_up.weight"].qtype == Q.Q4_K
+    assert len(g.metadata["tokenizer.ggml.tokens"]) == SMALL.vocab
+    for name in ("blk.3.ffn_up.weight", "blk.0.ffn_down.weight"):
+        w = g.dequantize(name)
+        assert abs(w.mean()) < 0.1 * WEIGHT_STD and 0.7 * WEIGHT_STD < w.std() < 1.3 * WEIGHT_STD, name
+    out = tmp_path / "out"
+    convert_gguf(path, out)
+    model, cfg = load_model(out, torch.float32, torch.device("cpu"))
+    assert cfg.num_hidden_layers == SMALL.layers and cfg.vocab_size == SMALL.vocab
+    runner = ModelRunner(model, cfg, num_blocks=16, block_size=4)
+    logits = runner.execute([ScheduledSeq([3, 70, 200, 5], 0, [0])])[0].logits
+    assert logits.shape == (1, SMALL.vocab) and bool(torch.isfinite(logits).all())
