@@ -10,15 +10,25 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from slotserve.config import PrefillPrecision
+from slotserve import host_memory
+from slotserve.config import ModelConfig, PrefillPrecision
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, Want
 from slotserve.kernels import packed_linear
 from slotserve.kernels.packed_linear import PANEL_ROWS
 from slotserve.layers.embedding import VocabEmbedding
 from slotserve.layers.linear import Linear
 from slotserve.models.gguf import convert_gguf
-from slotserve.models.loader import load_model
+from slotserve.models.loader import (
+    build_meta_model,
+    checkpoint_dtypes,
+    load_model,
+    packed_sizes,
+    weight_files,
+    weight_footprint,
+)
+from slotserve.models.packing import move_packings
 from tests.gguf_fixtures import hf_model_of, tiny_gguf
+from tests.test_host_memory import _vma_flags
 
 pytestmark = pytest.mark.skipif(not packed_linear.built(), reason="native kernels not built here")
 
@@ -88,3 +98,38 @@ def test_a_bfloat16_prefill_is_within_bfloat16_rounding(tmp_path):
     scale = expected.abs().max().item()
     # bfloat16 keeps 8 bits: errors of a few 2^-8 of the logits' size, far above float32's.
     assert exact < 1e-4 < rounded < 2**-4 * scale
+
+
+@pytest.mark.skipif(not host_memory.enabled(), reason="no MADV_HUGEPAGE on this platform")
+def test_packings_move_into_huge_pages_with_the_same_logits(tmp_path):
+    out, _ = _converted(tmp_path, "qwen3", True, packed=True)
+    model, cfg = load_model(out, torch.float32, torch.device("cpu"))
+    blocks = list(range(len(IDS) // 4 + 1))
+    logits = []
+    for move in (False, True):  # the engine moves them before it builds the runner
+        if move:
+            held = {id(m.packed): m.packed for m in model.modules() if isinstance(m, Linear) and m.weight is None}
+            assert move_packings(model, available=1 << 40) == sum(p.nbytes for p in held.values())
+        runner = ModelRunner(model, cfg, num_blocks=64, block_size=4)
+        logits.append(runner.execute([ScheduledSeq(IDS[:16], 0, blocks, want=Want.ALL)])[0].logits)
+    for m in model.modules():
+        if isinstance(m, Linear) and m.weight is None:
+            assert "hg" in _vma_flags(m.packed.values.data_ptr())["VmFlags"].split()
+    embedding = next(m for m in model.modules() if isinstance(m, VocabEmbedding))
+    assert embedding.packed is model.lm_head.packed  # tied: the head and the embedding share the moved packing
+    assert torch.equal(*logits)
+
+
+def test_the_memory_check_counts_a_gguf_by_its_packings(tmp_path):
+    out, _ = _converted(tmp_path, "qwen2", False, packed=True)
+    files = weight_files(out)
+    need = weight_footprint(build_meta_model(ModelConfig.from_dir(out)), torch.float32, torch.device("cpu"),
+                            checkpoint_dtypes(files), packed_sizes(files))
+    model, _ = load_model(out, torch.float32, torch.device("cpu"))
+    packings = {id(m.packed): m.packed for m in model.modules() if getattr(m, "packed", None) is not None}
+    merged = [m.packed.nbytes for name, m in model.named_modules() if name.endswith(("qkv_proj", "gate_up_proj"))]
+    floats = sum(p.nbytes for p in model.parameters())
+    loaded = floats + sum(p.nbytes for p in packings.values())
+    # Stacked parts take the widest form among them (gate's Q8_0 gains up's Q5_1 offsets): a little more.
+    assert 0.97 * loaded <= need.mapped + need.copied <= loaded
+    assert 0.95 * sum(merged) <= need.copied <= sum(merged) + floats

@@ -94,3 +94,31 @@ def test_engine_keeps_weights_and_cache_in_huge_pages(tiny_qwen3):
     assert engine.core.weights_in_huge_pages == bool(large)
     for p in large:
         assert "hg" in _vma_flags(p.data_ptr())["VmFlags"].split()
+
+
+def _mapped_file_tensor(path: Path, values: torch.Tensor) -> torch.Tensor:
+    """`values` written to `path`, read back as a tensor on a memory map of it, its pages resident."""
+    values.numpy().tofile(path)
+    mapped = torch.from_file(str(path), shared=False, size=values.numel(), dtype=values.dtype)
+    assert torch.equal(mapped, values)  # every page read
+    return mapped
+
+
+def test_file_pages_are_released_as_they_are_copied(tmp_path):
+    values = torch.randn(3 * host_memory.COPY_CHUNK // 4 + 1000)  # several chunks and a partial one
+    mapped = _mapped_file_tensor(tmp_path / "w.bin", values)
+    mappings = host_memory.FileMappings.read()
+    assert mappings.holds(mapped.data_ptr()) and not mappings.holds(values.data_ptr())
+    assert int(_vma_flags(mapped.data_ptr())["Rss"].split()[0]) * 1024 >= mapped.nbytes - 4096
+    (copy,) = host_memory.into_huge_pages([mapped], available=1 << 40)
+    assert torch.equal(copy, values) and "hg" in _vma_flags(copy.data_ptr())["VmFlags"].split()
+    # Only the pages at the chunks' edges stay: the file's pages are the page cache's, no longer this process's.
+    assert int(_vma_flags(mapped.data_ptr())["Rss"].split()[0]) * 1024 <= 8 * 4096
+    assert torch.equal(mapped, values)  # still readable: the pages fault back in
+
+
+def test_anonymous_memory_is_not_released():
+    values = torch.randn(1 << 20)
+    before = values.clone()
+    host_memory.release_pages(values, host_memory.FileMappings.read())
+    assert torch.equal(values, before)

@@ -78,7 +78,7 @@ def move_weights(model: nn.Module, available: int) -> int:
 def into_huge_pages(tensors: list[torch.Tensor], available: int) -> Iterator[torch.Tensor] | None:
     """Copies of `tensors` in one huge-page region, made one at a time as the caller takes them (each taken off
     the list as it is copied, so the caller can let it go before the next), each original's file pages released
-    (`release_pages`); None
+    (`release_pages`) a COPY_CHUNK at a time as they are copied, so no more than that is resident twice; None
     where huge pages are off, or the copies would not fit in `available` bytes."""
     if not enabled() or not tensors:
         return None
@@ -94,8 +94,13 @@ def into_huge_pages(tensors: list[torch.Tensor], available: int) -> Iterator[tor
         while tensors:
             t = tensors.pop(0)  # held no longer here: the caller's last reference may go
             view = region[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
-            view.copy_(t.detach())
-            release_pages(t, mappings)
+            if t.is_contiguous():
+                source, target, step = t.detach().view(-1), view.view(-1), max(1, COPY_CHUNK // t.element_size())
+                for start in range(0, source.numel(), step):
+                    target[start:start + step].copy_(source[start:start + step])
+                    release_pages(source[start:start + step], mappings)
+            else:
+                view.copy_(t.detach())
             offset += _round_up(t.nbytes, _ALIGN)
             yield view
 
@@ -115,6 +120,7 @@ def release_pages(tensor: torch.Tensor, mappings: FileMappings) -> None:
 
 
 MADV_DONTNEED = 4
+COPY_CHUNK = 32 << 20  # bytes copied before their file pages are released: a large embedding is not resident twice
 _libc = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,7 +66,7 @@ def load_model(
     cfg = ModelConfig.from_dir(path)
     model = build_meta_model(cfg, max_position, parallel)
     files = weight_files(path)
-    check_memory(weight_footprint(model, dtype, device, checkpoint_dtypes(files)), device)
+    check_memory(weight_footprint(model, dtype, device, checkpoint_dtypes(files), packed_sizes(files)), device)
     load_weights(model, files, dtype, device)
     return model.eval(), cfg
 
@@ -355,21 +356,55 @@ def checkpoint_dtypes(files: list[Path]) -> dict[str, torch.dtype | None]:
     return dtypes
 
 
+def packed_sizes(files: list[Path]) -> dict[str, int]:
+    """The bytes of each packed tensor the checkpoint holds (models/gguf.py writes them), by its name."""
+    sizes: dict[str, int] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                keys = set(f.keys())
+                for name in json.loads((f.metadata() or {}).get(PACKED_METADATA, "{}")):
+                    parts = [f.get_slice(f"{name}.{part}") for part in PACKED_PARTS if f"{name}.{part}" in keys]
+                    sizes[name] = sum(math.prod(s.get_shape()) * (1 if s.get_dtype() == "U8" else 4) for s in parts)
+        except SafetensorError as e:
+            raise WeightsError(f"{file}: cannot read safetensors ({e})") from None
+    return sizes
+
+
 def weight_footprint(model: nn.Module, dtype: torch.dtype, device: torch.device,
-                     stored: dict[str, torch.dtype | None] | None = None) -> WeightFootprint:
+                     stored: dict[str, torch.dtype | None] | None = None,
+                     packed: dict[str, int] | None = None) -> WeightFootprint:
     """The bytes of `model`'s parameters (as built on the meta device from the config) in `dtype`.
 
     On CPU a tensor the checkpoint (`stored`: name -> dtype) already holds in `dtype` stays mapped
     from the file; without `stored` every weight counts as copied, as do merged projections (no
-    checkpoint tensor has their name)."""
+    checkpoint tensor has their name). A float32 CPU weight whose parts the checkpoint all holds packed
+    (`packed`: name -> bytes) takes their bytes: mapped where it is one, copied where they are stacked."""
     elem = torch.empty(0, dtype=dtype).element_size()
     mapped = copied = 0
+    held = _held_parts(model, packed) if packed and device.type == "cpu" and dtype == torch.float32 else {}
     for name, p in model.named_parameters():  # a tied lm_head appears once
-        if device.type == "cpu" and stored is not None and stored.get(name) == dtype:
+        if name in held and len(held[name]) == 1:
+            mapped += held[name][0]
+        elif name in held:
+            copied += sum(held[name])
+        elif device.type == "cpu" and stored is not None and stored.get(name) == dtype:
             mapped += p.numel() * elem
         else:
             copied += p.numel() * elem
     return WeightFootprint(mapped, copied)
+
+
+def _held_parts(model: nn.Module, packed: dict[str, int]) -> dict[str, list[int]]:
+    """Parameter name -> the packed bytes of each of its checkpoint parts, for parameters packed in every part."""
+    layout = checkpoint_layout(model)
+    places = [(name, place) for name, place in layout.items() if place is not None]
+    parts: dict[str, list[int]] = {}
+    for name, place in places:
+        if (nbytes := packed.get(name, packed.get(name.removeprefix("model.")))) is not None:
+            parts.setdefault(place.param, []).append(nbytes)
+    wanted = {param: sum(place.param == param for _, place in places) for param in parts}
+    return {param: sizes for param, sizes in parts.items() if len(sizes) == wanted[param]}
 
 
 def available_memory(device: torch.device) -> MemoryInfo:

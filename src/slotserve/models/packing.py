@@ -87,6 +87,7 @@ def move_packings(model: nn.Module, available: int) -> int:
         values, scales = next(copies), next(copies)
         offsets = None if p.offsets is None else next(copies)
         new = packed_linear.PackedWeight(None, p.bias, values, scales, offsets, p.n, p.k, p.halves)
+        new.panel_dtype = p.panel_dtype
         for m in users:
             if m.packed is p:
                 m.packed = new  # the old buffers (a merged projection's copy) go as the next ones are copied
