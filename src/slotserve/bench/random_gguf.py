@@ -14,6 +14,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -94,6 +95,20 @@ def random_blocks(rows: int, columns: int, qtype: Q, rng: np.random.Generator) -
     return out.reshape(rows, -1)
 
 
+def add_value(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
+    """One metadata entry, in the GGUF type its Python type implies (integers as uint32, floats as float32)."""
+    if isinstance(value, list):
+        writer.add_array(key, value)
+    elif isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    else:
+        writer.add_string(key, value)
+
+
 def _metadata(writer: gguf.GGUFWriter, s: Shapes, tokenizer_source: Path) -> None:
     writer.add_string("general.name", "random-qwen2")
     writer.add_uint32("qwen2.block_count", s.layers)
@@ -112,14 +127,7 @@ def _metadata(writer: gguf.GGUFWriter, s: Shapes, tokenizer_source: Path) -> Non
     writer.add_array("tokenizer.ggml.token_type", types + [int(gguf.TokenType.UNUSED)] * pads)
     for key, value in source.items():
         if key.startswith("tokenizer.") and key not in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
-            if isinstance(value, list):
-                writer.add_array(key, value)
-            elif isinstance(value, bool):
-                writer.add_bool(key, value)
-            elif isinstance(value, int):
-                writer.add_uint32(key, value)
-            else:
-                writer.add_string(key, value)
+            add_value(writer, key, value)
 
 
 def write_random_gguf(out: Path, s: Shapes, tokenizer_source: Path, seed: int = 0) -> int:
