@@ -72,7 +72,9 @@ def test_bench_latency_prints_json(tiny_qwen3):
                  "--input-len", "32", "--output-len", "4", "--repeats", "1")
     assert result.returncode == 0, result.stderr
     figures = json.loads(result.stdout.strip().splitlines()[-1])
-    assert_figures(figures, "prefill_tokens_per_s", "decode_tokens_per_s")
+    assert_figures(figures, "prefill_tokens_per_s", "decode_tokens_per_s", "prefill_fraction_of_gemm", "weight_bytes",
+                   "peak_resident_bytes", "resident_bytes_before_load")
+    assert figures["resident_bytes_before_load"] < figures["peak_resident_bytes"]
 
 
 def test_bench_parallel_prints_both_splits(tiny_qwen3):

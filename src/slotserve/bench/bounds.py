@@ -14,6 +14,7 @@ from torch import nn
 
 from slotserve.bench.timing import seconds
 from slotserve.kernels import native
+from slotserve.kernels.packed_linear import PANEL_ROWS
 from slotserve.layers.linear import Linear
 from slotserve.layers.quantization import Int8Linear
 
@@ -71,6 +72,15 @@ def linear_params(model: nn.Module) -> tuple[int, int, int]:
             else:
                 body += params
     return body, head, nbytes
+
+
+def prefill_dtype(model: nn.Module) -> torch.dtype:
+    """What a long prompt's linears multiply in: their packings' panels where they have packings
+    (kernels/packed_linear.py), else the model's dtype."""
+    for m in model.modules():
+        if isinstance(m, Linear) and (packed := m.current_packed()) is not None and packed.runs(PANEL_ROWS):
+            return packed.panel_dtype if packed.narrow else torch.bfloat16  # a bfloat16 packing: on AMX
+    return next(model.parameters()).dtype
 
 
 def attention_pair_flops(cfg: Any) -> int:

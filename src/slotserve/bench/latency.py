@@ -10,13 +10,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
-from slotserve.bench.bounds import attention_pair_flops, gemm_rate, linear_params
+from slotserve.bench.bounds import attention_pair_flops, gemm_rate, linear_params, prefill_dtype
 from slotserve.bench.memory import peak_resident_bytes, resident_bytes, weight_bytes
-from slotserve.kernels.packed_linear import PANEL_ROWS
-from slotserve.layers.linear import Linear
 from slotserve.sampling_params import SamplingParams
 
 
@@ -34,15 +31,6 @@ def _timed_request(engine, request_id: str, prompt: list[int], max_tokens: int) 
     while engine.has_unfinished_requests():
         engine.step()
     return first - start, time.perf_counter() - first
-
-
-def prefill_dtype(model: nn.Module) -> torch.dtype:
-    """What a long prompt's linears multiply in: their packings' panels where they have packings
-    (kernels/packed_linear.py), else the model's dtype."""
-    for m in model.modules():
-        if isinstance(m, Linear) and (packed := m.current_packed()) is not None and packed.runs(PANEL_ROWS):
-            return packed.panel_dtype if packed.narrow else torch.bfloat16  # a bfloat16 packing: on AMX
-    return next(model.parameters()).dtype
 
 
 def _prefill_flops(model: nn.Module, cfg: Any, tokens: int) -> int:

@@ -96,6 +96,7 @@ def run_quality(config: EngineConfig, args: argparse.Namespace) -> dict[str, Any
     """Loads `config`'s model twice, as the reference and as configured, and measures both side by side."""
     import torch
 
+    from slotserve.bench.bounds import prefill_dtype
     from slotserve.config import PrefillPrecision
     from slotserve.entrypoints.llm import LLM
 
@@ -128,7 +129,7 @@ def run_quality(config: EngineConfig, args: argparse.Namespace) -> dict[str, Any
     for name, engine in engines.items():
         result[name] = {
             "quantization": engine.config.quantization,
-            "prefill_dtype": _prefill_dtype(engine),
+            "prefill_dtype": str(prefill_dtype(engine.runner.model)).removeprefix("torch."),
             "load_seconds": round(engine.load_seconds, 2),
             "perplexity": round(_perplexity(logprobs[name], ids), 4),
             "decode_batch1_tokens_per_s": round(statistics.median(speed[name]["batch1"]), 2),
@@ -155,12 +156,6 @@ def run_quality(config: EngineConfig, args: argparse.Namespace) -> dict[str, Any
     result["load_average"] = {"start": [round(x, 2) for x in load_start],
                               "end": [round(x, 2) for x in os.getloadavg()]}
     return result
-
-
-def _prefill_dtype(engine: LLMEngine) -> str:
-    from slotserve.bench.latency import prefill_dtype
-
-    return str(prefill_dtype(engine.runner.model)).removeprefix("torch.")
 
 
 def _with_blocks(engine: LLMEngine, num_tokens: int, body: Callable[[list[int]], Any]) -> Any:
