@@ -97,14 +97,16 @@ def test_other_builds_give_the_same_bits(kind, build):
         pytest.skip(f"no {build} build here")
     here = native.function(packed_linear.FEW_ROWS_SOURCE, "slotserve_few_rows_gemm", packed_linear._GEMM_ARGS)
     n, k = 1000, 896  # pairs of weight tiles and a last, partial one
-    packed = PackedWeight.pack(FEW_ROW_WEIGHTS[kind](n, k), torch.randn(n))
+    w = FEW_ROW_WEIGHTS[kind](n, k)
+    packed = PackedWeight.pack(w, torch.randn(n))
+    compact = PackedWeight.of(packed_linear.pack_narrow(w), packed.bias)  # 4 and 5 bits a value: q4_k, q5_0
     x = torch.randn(2 * FEW_ROWS + 1, k)
-    for rows in range(1, 2 * FEW_ROWS + 2):  # groups of FEW_ROWS and a last, partial one
-        out, expected = torch.empty(rows, n), torch.empty(rows, n)
-        for f, y in ((gemm, out), (here, expected)):
-            assert f(x.data_ptr(), ctypes.byref(packed.packing), packed.bias.data_ptr(), y.data_ptr(), rows, n, k,
-                     2) == 0
-        assert torch.equal(out, expected)
+    for p in (packed, compact):
+        for rows in range(1, 2 * FEW_ROWS + 2):  # groups of FEW_ROWS and a last, partial one
+            out, expected = torch.empty(rows, n), torch.empty(rows, n)
+            for f, y in ((gemm, out), (here, expected)):
+                assert f(x.data_ptr(), ctypes.byref(p.packing), p.bias.data_ptr(), y.data_ptr(), rows, n, k, 2) == 0
+            assert torch.equal(out, expected)
 
 
 def test_without_amx_the_fused_step_has_the_layer_paths_bits(no_amx, tmp_path):

@@ -73,6 +73,7 @@ def test_a_gguf_runs_on_its_packings_with_transformers_logits(tmp_path, arch, ti
     if packed:
         assert len(held) == len(linears) and embedding.packed is not None
         assert runner.packing_report.held == len(held)
+        assert {m.packed.bits for m in held} == {4, 5, 8}  # Q4_0/Q4_1 in nibbles, Q5_0 with a fifth bit
     else:  # BF16 q, BF16 up: the merged q/k/v and gate/up take float32 weights
         merged = [m for name, m in linears.items() if name.endswith(("qkv_proj", "gate_up_proj"))]
         assert merged and all(m.weight is not None for m in merged)

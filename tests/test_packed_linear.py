@@ -13,7 +13,17 @@ from safetensors.torch import load_file, save_file
 
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, Want
 from slotserve.kernels import native, packed_linear
-from slotserve.kernels.packed_linear import ALL_ROWS, AMX_MIN_ROWS, BLOCK, FEW_ROWS, PAIR, PANEL_ROWS, PackedWeight
+from slotserve.kernels.packed_linear import (
+    ALL_ROWS,
+    AMX_MIN_ROWS,
+    BLOCK,
+    FEW_ROWS,
+    PAIR,
+    PANEL_ROWS,
+    TILE,
+    PackedTensor,
+    PackedWeight,
+)
 from slotserve.layers.linear import Linear
 from slotserve.models.loader import load_model
 from slotserve.models.packing import PackingReport
@@ -206,6 +216,73 @@ def test_integer_blocks_pack_in_a_byte_a_value_with_the_same_bits(weight, narrow
     x = torch.randn(PANEL_ROWS - 1, 128)
     for rows in (AMX_MIN_ROWS, 45, x.shape[0]):  # one row tile (prefetching), a few, one per thread
         assert torch.equal(packed(x[:rows]), wide(x[:rows]))
+
+
+def _signed(w: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """w with each block of 32 negated or not at random: GGUF's Q5_0 and Q4_0 scales have either sign."""
+    g = torch.Generator().manual_seed(seed)
+    n, k = w.shape
+    return (w.view(n, k // BLOCK, BLOCK) * (torch.rand(n, k // BLOCK, 1, generator=g) < 0.5).float().mul(2).sub(1)
+            ).view(n, k)
+
+
+# GGUF-like weights, the bits and zero pack_narrow keeps them in: the fewest that hold every block's values.
+COMPACT = {"q4_0": (lambda n, k: _signed(_block_scaled(n, k, 8)), 4, 8),
+           "q5_0": (lambda n, k: _signed(_block_scaled(n, k, 16)), 5, 16), "q4_k": (_q4_k, 4, 0),
+           "q8_0": (lambda n, k: _block_scaled(n, k, 128), 8, 128), "q6_k": (_q6_k, 8, 128)}
+
+
+@pytest.mark.parametrize("kind", COMPACT)
+def test_integer_blocks_pack_in_the_fewest_bits_with_the_bytes_bits(kind):
+    """A checkpoint's packing (pack_narrow) keeps 4, 5 or 8 bits a value (a block negated, scale and values,
+    where its values fit so): read back exactly, and every kernel gives the bits of the 8-bit packing."""
+    make, bits, zero = COMPACT[kind]
+    n, k = 1000, 896
+    w = make(n, k)
+    tensor = packed_linear.pack_narrow(w)
+    assert (tensor.bits, tensor.zero) == (bits, zero)
+    compact = PackedWeight.of(tensor, torch.randn(n))
+    full = PackedWeight.of(PackedWeight.pack(w).tensor(), compact.bias)
+    assert torch.equal(compact.dequantize(), w) and torch.equal(PackedWeight.of(tensor.in_bytes()).dequantize(), w)
+    assert compact.nbytes == full.nbytes - (8 - bits) * 32 * -(-n // 32) * k // 8
+    x = torch.randn(PANEL_ROWS + 9, k)
+    for rows in (1, FEW_ROWS, FEW_ROWS + 1, AMX_MIN_ROWS + 1, PANEL_ROWS - 1, x.shape[0]):
+        assert torch.equal(compact(x[:rows]), full(x[:rows])), rows
+
+
+def test_the_compact_bytes_are_where_the_layout_puts_them():
+    """packed_linear.h's 4- and 5-bit layouts, built in torch from the 8-bit one: k-quads 2i and 2i + 1 of a
+    line in one byte's low and high nibbles, then a value's fifth bit at its 8-bit byte's place."""
+    n, k = 40, 64
+    g = torch.Generator().manual_seed(6)
+    for levels, bits in ((8, 4), (16, 5)):
+        w = torch.randint(-levels, levels, (n, k), generator=g).float()
+        w[:, ::16] = 1.0  # every scale 1
+        tensor = packed_linear.pack_narrow(w)
+        assert tensor.bits == bits and tensor.zero == levels and (tensor.scales == 1).all()
+        u = torch.cat([w, torch.zeros(64 - n, k)]) + levels  # rows past n are zeros
+        lines = u.reshape(2, 2, 16, k // BLOCK, 8, 4).permute(0, 3, 1, 4, 2, 5).to(torch.uint8)
+        lines = lines.reshape(2, k // BLOCK, 2, 4, 2, 64)  # [pair][block][tile][k-quad pair][parity][line]
+        nibbles = (lines[..., 0, :] % 16 + lines[..., 1, :] % 16 * 16).reshape(2, k // BLOCK, -1)
+        assert torch.equal(tensor.values[..., :TILE * BLOCK], nibbles)
+        if bits == 5:
+            fifth = (lines.reshape(2, k // BLOCK, -1) >= 16).to(torch.uint8)
+            planes = (fifth.view(2, k // BLOCK, -1, 8) * 2 ** torch.arange(8, dtype=torch.uint8)).sum(-1)
+            assert torch.equal(tensor.values[..., TILE * BLOCK:], planes.to(torch.uint8))
+
+
+def test_compact_parts_stack_and_pad_in_a_form_that_holds_them_all():
+    """Parts of one form stack as they are; of different bits or zeros, in the fewest bits that hold all;
+    padding rows are zeros in any form."""
+    q4, q5, q4_k = (packed_linear.pack_narrow(make(64, 128)) for make, _, _ in
+                    (COMPACT["q4_0"], COMPACT["q5_0"], COMPACT["q4_k"]))
+    for parts, bits in (([q4, q4], 4), ([q4, q5], 5), ([q4_k, q4], 5), ([q5, packed_linear.pack_narrow(
+            _block_scaled(64, 128, 128))], 8)):
+        stacked = PackedTensor.cat(parts).padded(200)
+        assert stacked.bits == bits and stacked.n == 200
+        rows = PackedWeight.of(stacked).dequantize()
+        assert torch.equal(rows[:128], torch.cat([PackedWeight.of(p).dequantize() for p in parts]))
+        assert not rows[128:].any()
 
 
 @pytest.mark.parametrize("kind", FEW_ROW_WEIGHTS)

@@ -97,6 +97,7 @@ class EngineCore:
         self.weights_in_huge_pages = self.device.type == "cpu" and (host_memory.move_weights(
             self.model, available_memory(self.device).available - budget) + move_packings(
             self.model, available_memory(self.device).available - budget)) > 0
+        host_memory.trim_heap()  # what loading freed
         tp = config.tensor_parallel_size
         bytes_per_block = ModelRunner.cache_bytes_per_token(cfg, self.dtype, tp) * config.block_size
         num_blocks = budget // bytes_per_block

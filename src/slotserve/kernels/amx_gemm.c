@@ -96,7 +96,7 @@ static void split_tile(const float *x, long M, long K, long m0, uint16_t *parts,
    the next block's weights are fetched into L2 while this one multiplies: 1.03-1.05x beyond the turns on
    the default model's shapes, 24 layers' copies, 2 threads. With more row tiles the weights come from L3
    for all but the first, and the same prefetch measured 0.91-0.95x.
-   A narrow block is widened into `wide` first (its k-quads as k-pairs, less 128): against its bfloat16
+   A narrow block is widened into `wide` first (its k-quads as k-pairs, less zero): against its bfloat16
    packing, same run, 1.03-1.07x on 32 rows (gate/up and down shapes, 24 copies), 1.24x on one row,
    0.97-1.02x on 512. */
 static void pair_rows(const uint16_t *parts, const float *xsums, const slotserve_packed_weight *w, const float *bias,
@@ -106,7 +106,7 @@ static void pair_rows(const uint16_t *parts, const float *xsums, const slotserve
     float sums[GROUP][4 * TILE * TILE] __attribute__((aligned(64)));
     float acc[2][PAIR][TILE] __attribute__((aligned(64)));
     uint16_t wide[2 * TILE * BLOCK] __attribute__((aligned(64))); /* a narrow block as bfloat16 */
-    const long size = w->narrow ? 1 : 2;                            /* bytes a value */
+    const long chunk = w->narrow ? chunk_bytes(w->bits) : 2 * TILE * BLOCK * 2; /* bytes of a pair's block */
     uint8_t order[64]; /* a k-quad's 64 bytes (16 rows' 4 values) as its two k-pairs' 32 each */
     for (int j = 0; j < 64; j++) order[j] = (uint8_t)(j % 32 / 2 * 4 + j / 32 * 2 + j % 2);
     const __m512i quad_pairs = _mm512_loadu_si512(order);
@@ -115,17 +115,15 @@ static void pair_rows(const uint16_t *parts, const float *xsums, const slotserve
         const int group = blocks - g0 < GROUP ? blocks - g0 : GROUP;
         for (int g = 0; g < group; g++) {
             const long b = g0 + g;
-            const long at = (p * blocks + b) * 2 * TILE * BLOCK; /* in values */
+            const uint8_t *q = (const uint8_t *)w->values + (p * blocks + b) * chunk;
             const uint16_t *wb = wide, *xb = parts + b * 3 * PAIR * BLOCK;
             if (prefetch && b + 1 < blocks)
-                for (long i = 0; i < 2 * TILE * BLOCK * size; i += 64)
-                    _mm_prefetch((const char *)w->values + (at + 2 * TILE * BLOCK) * size + i, _MM_HINT_T1);
+                for (long i = 0; i < chunk; i += 64) _mm_prefetch((const char *)q + chunk + i, _MM_HINT_T1);
             if (w->narrow) {
-                const int8_t *q = (const int8_t *)w->values + at;
-                for (int i = 0; i < 2 * TILE * BLOCK; i += 64) { /* a k-quad: two k-pairs, less 128 */
-                    const __m512i quad = _mm512_loadu_si512(q + i);
-                    const __m512i pairs = _mm512_xor_si512(_mm512_permutexvar_epi8(quad_pairs, quad),
-                                                           _mm512_set1_epi8((char)0x80));
+                for (int i = 0; i < 2 * TILE * BLOCK; i += 64) { /* a k-quad: two k-pairs, less zero */
+                    const __m512i quad = (__m512i)quad_line(q, w->bits, i / (TILE * BLOCK), i % (TILE * BLOCK) / 64, 0);
+                    const __m512i pairs = _mm512_sub_epi8(_mm512_permutexvar_epi8(quad_pairs, quad),
+                                                          _mm512_set1_epi8((char)w->zero));
                     for (int h = 0; h < 2; h++) {
                         const __m256i v = h ? _mm512_extracti64x4_epi64(pairs, 1) : _mm512_castsi512_si256(pairs);
                         const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
@@ -134,7 +132,7 @@ static void pair_rows(const uint16_t *parts, const float *xsums, const slotserve
                     }
                 }
             } else
-                wb = (const uint16_t *)w->values + at;
+                wb = (const uint16_t *)q;
             /* One weight tile at a time: its sums are stored while the other one's products run. */
             for (int t = 0; t < 2; t++) {
                 _tile_loadd(4, wb + t * TILE * BLOCK, 64);

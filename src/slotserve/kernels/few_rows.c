@@ -123,8 +123,9 @@ static inline void store_halves(split_x s, long K, long k, vi hi, vi lo) {
 #endif
 }
 
-/* Block b of x's K values into s; the sums of X only `with_sums` (offsets need them). */
-static void split_block(const float *x, long K, long b, split_x s, int with_sums) {
+/* Block b of x's K values into s, for weights kept plus `zero`; the sums of X only `with_sums` (offsets need
+   them). */
+static void split_block(const float *x, long K, long b, split_x s, int zero, int with_sums) {
     const float *xb = x + b * BLOCK;
     vi most = {0}; /* |x| as bits, lane by lane: integers compare as the floats do */
     for (int j = 0; j < BLOCK; j += VW) {
@@ -147,8 +148,8 @@ static void split_block(const float *x, long K, long b, split_x s, int with_sums
     }
     const int hi_sums[2] = {sum_lanes(his[0]), sum_lanes(his[1])}, lo_sums[2] = {sum_lanes(los[0]), sum_lanes(los[1])};
     for (int part = 0; part < 3; part++) { /* each half, then the whole */
-        s.bias[6 * b + 2 * part] = 128 * (part < 2 ? hi_sums[part] : hi_sums[0] + hi_sums[1]);
-        s.bias[6 * b + 2 * part + 1] = 128 * (part < 2 ? lo_sums[part] : lo_sums[0] + lo_sums[1]);
+        s.bias[6 * b + 2 * part] = zero * (part < 2 ? hi_sums[part] : hi_sums[0] + hi_sums[1]);
+        s.bias[6 * b + 2 * part + 1] = zero * (part < 2 ? lo_sums[part] : lo_sums[0] + lo_sums[1]);
     }
     if (with_sums) {
         const long long half[2] = {(long long)hi_sums[0] * (1 << HALF_BITS) + lo_sums[0],
@@ -171,16 +172,18 @@ static inline vi dot_quads(vi acc, vi w, const int8_t *x) {
 #endif
 }
 #else
-/* 2 * VW weight bytes at p (VW / 2 outputs' quads) widened to 16 bits: each 32-bit lane a pair of one output's
-   quad, its first pair in even lanes, its second in odd ones. */
-static inline vi widen_quads(const uint8_t *p) {
+/* Half h of a line's weight bytes (VW / 2 outputs' quads) widened to 16 bits: each 32-bit lane a pair of one
+   output's quad, its first pair in even lanes, its second in odd ones. */
+static inline vi widen_quads(vi line, int h) {
 #if VW == 16
-    return (vi)_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    return (vi)_mm512_cvtepu8_epi16(h ? _mm512_extracti64x4_epi64((__m512i)line, 1) : _mm512_castsi512_si256((__m512i)line));
 #elif defined(__AVX2__)
-    return (vi)_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    return (vi)_mm256_cvtepu8_epi16(h ? _mm256_extracti128_si256((__m256i)line, 1) : _mm256_castsi256_si128((__m256i)line));
 #else
+    uint8_t bytes[4 * VW];
+    memcpy(bytes, &line, sizeof bytes);
     int16_t wide[2 * VW];
-    for (int i = 0; i < 2 * VW; i++) wide[i] = p[i];
+    for (int i = 0; i < 2 * VW; i++) wide[i] = bytes[h * 2 * VW + i];
     vi v;
     memcpy(&v, wide, sizeof v);
     return v;
@@ -217,13 +220,13 @@ static inline vi pair_sums(vi a, vi b) {
 
 /* The rows of x (split: xs) against pair p of a narrow weight: its 2 * OUT_VECTORS output vectors, at_once of
    them a pass over the blocks (a pass reads their share of each cache line; the next finds the rest in L2).
-   Inlined into each case of slotserve_few_rows_gemm's switch, so that its row and segment counts are
-   constants: GCC left the segments a variable otherwise (its loops' bounds a division at run time), 1.01-1.02x
-   slower. */
+   Inlined into each case of slotserve_few_rows_gemm's switch, so that its row and segment counts (and bits a
+   value) are constants: GCC left the segments a variable otherwise (its loops' bounds a division at run time),
+   1.01-1.02x slower. */
 static inline __attribute__((always_inline)) void few_rows(const split_x *xs, const slotserve_packed_weight *w,
                                                             const float *bias, float *out, long N, long K, long p,
-                                                            const int rows, const int segments) {
-    const long blocks = K / BLOCK;
+                                                            const int rows, const int segments, const int bits) {
+    const long blocks = K / BLOCK, chunk = chunk_bytes(bits);
     const int quads = BLOCK / 4 / segments; /* k-quads under one scale */
     const int vectors = 2 * OUT_VECTORS, fit = SUMS_AT_ONCE / (4 * rows);
     const int at_once = fit < 1 ? 1 : fit > vectors ? vectors : fit;
@@ -232,7 +235,7 @@ static inline __attribute__((always_inline)) void few_rows(const split_x *xs, co
         for (int m = 0; m < rows; m++)
             for (int v = 0; v < at_once; v++) acc[m][v] = group[m][v] = splat(0.0f);
         for (long b = 0; b < blocks; b++) {
-            const uint8_t *q = (const uint8_t *)w->values + (p * blocks + b) * 2 * TILE * BLOCK;
+            const uint8_t *q = (const uint8_t *)w->values + (p * blocks + b) * chunk;
             for (int seg = 0; seg < segments; seg++) {
                 const int part = segments > 1 ? seg : 2; /* which of split_x's sums */
                 vi d[FEW][2 * OUT_VECTORS][4]; /* per digit (or per half of hi's, of lo's pairs) */
@@ -240,21 +243,19 @@ static inline __attribute__((always_inline)) void few_rows(const split_x *xs, co
                     for (int v = 0; v < at_once; v++)
                         for (int j = 0; j < 4; j++) d[m][v][j] = (vi){0};
                 for (int kq = seg * quads; kq < (seg + 1) * quads; kq++) {
-                    if (v0 == 0) /* this quad's line of each tile, FEW_AHEAD on */
+                    if (v0 == 0) /* this quad's share of the block's lines, FEW_AHEAD on */
                         for (int t = 0; t < 2; t++)
-                            __builtin_prefetch(q + FEW_AHEAD + t * TILE * BLOCK + kq * 4 * TILE, 0, 2);
+                            __builtin_prefetch(q + FEW_AHEAD + (t * BLOCK / 4 + kq) * (chunk / (BLOCK / 2)), 0, 2);
                     for (int v = 0; v < at_once; v++) {
                         const int t = (v0 + v) / OUT_VECTORS, o = (v0 + v) % OUT_VECTORS;
-                        const uint8_t *wq = q + t * TILE * BLOCK + kq * 4 * TILE + o * 4 * VW;
+                        const vi wv = quad_line(q, bits, t, kq, o);
                         const long k = b * BLOCK + 4 * kq;
 #if BYTE_DIGITS
-                        vi wv;
-                        memcpy(&wv, wq, sizeof wv);
                         for (int m = 0; m < rows; m++)
                             for (int j = 0; j < 4; j++)
                                 d[m][v][j] = dot_quads(d[m][v][j], wv, xs[m].digits + j * K + k);
 #else
-                        const vi wa = widen_quads(wq), wb = widen_quads(wq + 2 * VW);
+                        const vi wa = widen_quads(wv, 0), wb = widen_quads(wv, 1);
                         for (int m = 0; m < rows; m++) {
                             d[m][v][0] = dot_pairs(d[m][v][0], wa, xs[m].hi + k);
                             d[m][v][1] = dot_pairs(d[m][v][1], wb, xs[m].hi + k);
@@ -269,7 +270,7 @@ static inline __attribute__((always_inline)) void few_rows(const split_x *xs, co
                     const long col = at + (v0 + v) / OUT_VECTORS * TILE + (v0 + v) % OUT_VECTORS * VW;
                     const vf scale = load(w->scales + col);
                     for (int m = 0; m < rows; m++) {
-                        const int32_t *bias_of = xs[m].bias + 2 * (3 * b + part); /* 128 * the sums of hi, lo */
+                        const int32_t *bias_of = xs[m].bias + 2 * (3 * b + part); /* zero * the sums of hi, lo */
 #if BYTE_DIGITS
                         const vi h = d[m][v][3] * 256 + d[m][v][2] - bias_of[0];
                         const vi l = d[m][v][1] * 256 + d[m][v][0] - bias_of[1];
@@ -342,6 +343,14 @@ static long take_pair(pair_run *run, int back) {
    More than FEW rows go through each pair FEW at a time, the pair's weights found in L2 after the first: the
    bits of a row are the same in a call of any size. Returns 0; -1 without memory for the split rows; -2 for a
    packing that is not narrow (the caller's other paths take those). */
+/* The switch's cases for `rows` rows: without halves, then with, each in 8, 5 and 4 bits a value. */
+#define FEW_CASE(rows, segments, bits, at) \
+    case at: few_rows(x0, w, bias, o0, N, K, p, rows, segments, bits); break;
+#define FEW_CASES(rows) \
+    FEW_CASE(rows, 1, 8, (rows - 1) * 6) FEW_CASE(rows, 1, 5, (rows - 1) * 6 + 1) \
+    FEW_CASE(rows, 1, 4, (rows - 1) * 6 + 2) FEW_CASE(rows, 2, 8, (rows - 1) * 6 + 3) \
+    FEW_CASE(rows, 2, 5, (rows - 1) * 6 + 4) FEW_CASE(rows, 2, 4, (rows - 1) * 6 + 5)
+
 int slotserve_few_rows_gemm(const float *x, const slotserve_packed_weight *w, const float *bias, float *out, long M,
                             long N, long K, int threads) {
     if (M <= 0)
@@ -380,21 +389,15 @@ int slotserve_few_rows_gemm(const float *x, const slotserve_packed_weight *w, co
         runs[me].bounds = lo | hi << 32;
 #pragma omp for schedule(static)
         for (long i = 0; i < M * blocks; i++) /* its barrier publishes the runs too */
-            split_block(x + i / blocks * K, K, i % blocks, xs[i / blocks], with_sums);
+            split_block(x + i / blocks * K, K, i % blocks, xs[i / blocks], w->zero, with_sums);
         for (int other = 0; other < team; other++) /* its own run first (other = 0), then the others' */
             for (long p; (p = take_pair(&runs[(me + other) % team], other > 0)) >= 0;)
                 for (long m0 = 0; m0 < M; m0 += FEW) {
                     const split_x *x0 = xs + m0;
                     float *o0 = out + m0 * N;
-                    switch ((M - m0 < FEW ? M - m0 : FEW) * 2 + w->halves) { /* constant counts: registers */
-                    case 2: few_rows(x0, w, bias, o0, N, K, p, 1, 1); break;
-                    case 3: few_rows(x0, w, bias, o0, N, K, p, 1, 2); break;
-                    case 4: few_rows(x0, w, bias, o0, N, K, p, 2, 1); break;
-                    case 5: few_rows(x0, w, bias, o0, N, K, p, 2, 2); break;
-                    case 6: few_rows(x0, w, bias, o0, N, K, p, 3, 1); break;
-                    case 7: few_rows(x0, w, bias, o0, N, K, p, 3, 2); break;
-                    case 8: few_rows(x0, w, bias, o0, N, K, p, FEW, 1); break;
-                    default: few_rows(x0, w, bias, o0, N, K, p, FEW, 2);
+                    const int rows = M - m0 < FEW ? (int)(M - m0) : FEW;
+                    switch (((rows - 1) * 2 + w->halves) * 3 + (w->bits == 8 ? 0 : w->bits == 5 ? 1 : 2)) {
+                        FEW_CASES(1) FEW_CASES(2) FEW_CASES(3) FEW_CASES(4) /* constant counts: registers */
                     }
                 }
     }

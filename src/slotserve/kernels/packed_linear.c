@@ -266,11 +266,15 @@ int slotserve_pack_weight(const float *w, long N, long K, float *offsets, void *
     return bad & 1 ? -1 : bad ? -2 : 0;
 }
 
-/* Where row n's block b sits in a narrow packing: its tile's first byte, and its column in the tile. */
-static const uint8_t *tile_of(const slotserve_packed_weight *w, long blocks, long n, long b, int *col) {
-    const long p = n / PAIR;
-    *col = (int)(n % TILE);
-    return (const uint8_t *)w->values + (p * blocks + b) * 2 * TILE * BLOCK + (n % PAIR) / TILE * TILE * BLOCK;
+/* Row n's value at column k of block b of a narrow packing, plus its zero (packed_linear.h's layouts). */
+static int narrow_value(const slotserve_packed_weight *w, long blocks, long n, long b, int k) {
+    const uint8_t *chunk = (const uint8_t *)w->values + (n / PAIR * blocks + b) * chunk_bytes(w->bits);
+    const int t = (int)(n % PAIR / TILE), col = (int)(n % TILE), kq = k / 4;
+    const int at = t * TILE * BLOCK + (kq * TILE + col) * 4 + k % 4; /* its byte in the 8-bit layout */
+    if (w->bits == 8)
+        return chunk[at];
+    const int nibble = chunk[t * TILE * BLOCK / 2 + (kq / 2 * TILE + col) * 4 + k % 4] >> (kq % 2 * 4) & 15;
+    return w->bits == 5 ? nibble | (chunk[TILE * BLOCK + at / 8] >> (at % 8) & 1) << 4 : nibble;
 }
 
 /* The scale (or offset) index of row n's block b, half h (0 without halves). */
@@ -289,14 +293,12 @@ int slotserve_unpack_rows(const slotserve_packed_weight *w, long K, const long *
 #pragma omp parallel for schedule(static) num_threads(threads) if (count * K > 65536)
     for (long i = 0; i < count; i++)
         for (long b = 0; b < blocks; b++) {
-            int col;
-            const uint8_t *tile = tile_of(w, blocks, ids[i], b, &col);
             for (int h = 0; h < (w->halves ? 2 : 1); h++) {
                 const long at = scale_at(w, blocks, ids[i], b, h);
                 const float scale = w->scales[at], offset = w->offsets ? w->offsets[at] : 0.0f;
                 const int len = w->halves ? BLOCK / 2 : BLOCK;
                 for (int k = h * len; k < (h + 1) * len; k++)
-                    out[i * K + b * BLOCK + k] = fmaf(scale, (float)((int)tile[(k / 4 * TILE + col) * 4 + k % 4] - 128),
+                    out[i * K + b * BLOCK + k] = fmaf(scale, (float)(narrow_value(w, blocks, ids[i], b, k) - w->zero),
                                                       offset);
             }
         }
@@ -324,7 +326,7 @@ int slotserve_unpack_panel(const slotserve_packed_weight *w, long K, long first,
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
     for (long p = first; p < first + count; p++)
         for (long b = 0; b < blocks; b++) {
-            const uint8_t *pair = (const uint8_t *)w->values + (p * blocks + b) * 2 * TILE * BLOCK;
+            const uint8_t *chunk = (const uint8_t *)w->values + (p * blocks + b) * chunk_bytes(w->bits);
             for (int t = 0; t < 2; t++)
                 for (int half = 0; half < TILE / VW; half++) { /* VW rows of the tile at a time */
                     const int row = t * TILE + half * VW; /* in the pair */
@@ -333,10 +335,9 @@ int slotserve_unpack_panel(const slotserve_packed_weight *w, long K, long first,
                         const long at = ((p * blocks + b) * segments + (segments == 2 ? kq / 4 : 0)) * PAIR + row;
                         const vf scale = load(w->scales + at);
                         const vf offset = w->offsets ? load(w->offsets + at) : splat(0.0f);
-                        vi quads; /* each lane: one row's 4 values at k = 4 kq .. 4 kq + 3 */
-                        memcpy(&quads, pair + t * TILE * BLOCK + (kq * TILE + half * VW) * 4, sizeof quads);
+                        const vi quads = quad_line(chunk, w->bits, t, kq, half); /* a lane: a row's 4 values */
                         for (int j = 0; j < 4; j++) {
-                            const vf v = __builtin_convertvector(((quads >> (8 * j)) & 0xff) - 128, vf);
+                            const vf v = __builtin_convertvector(((quads >> (8 * j)) & 0xff) - w->zero, vf);
                             const vf x = fmadd(scale, v, offset);
                             const long k = b * BLOCK + 4 * kq + j;
                             if (bf16) {

@@ -7,10 +7,21 @@
    the two tiles' values as AMX wants them (pairs along K, [16 k-pairs][16 rows][2]), 1024 values, and the
    pair's 32 scales (and offsets) per block ([pair][block][half][PAIR] with halves). Rows past N are zero.
    Narrow values go in k-quads instead ([8 k-quads][16 rows][4]), each plus 128 as an unsigned byte: what
-   few_rows.c's byte products take; amx_gemm.c turns each quad back into its two pairs as it widens them. */
+   few_rows.c's byte products take; amx_gemm.c turns each quad back into its two pairs as it widens them.
+
+   A narrow packing keeps `bits` a value (its values' range decides): 8, each value plus `zero` (128) a byte, as
+   above, 1024 bytes a pair's block; or 4, each value plus `zero` a nibble, two k-quads' lines in one (k-quad 2i
+   in the low nibbles, 2i + 1 in the high ones), 512 bytes; or 5, those nibbles and then each value's fifth bit,
+   a bit a value in the byte order of the 8-bit layout (bit i of the plane: byte i), 640 bytes. quad_line reads
+   any of them back as the 8-bit layout's line. */
 
 #ifndef SLOTSERVE_PACKED_LINEAR_H
 #define SLOTSERVE_PACKED_LINEAR_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "vector.h"
 
 #define BLOCK 32 /* k per block: one tile row of bfloat16 */
 #define TILE 16  /* rows of a tile, and outputs of a weight tile */
@@ -26,6 +37,49 @@ typedef struct {
     /* The rows it takes (the caller's choice, kept here): a narrow packing's 1..max_rows, on AMX from min_rows
        on (few_rows.c below); a bfloat16 packing's min_rows..max_rows on AMX. The float32 path takes the rest. */
     long min_rows, max_rows;
+    int bits; /* a narrow packing's bits a value: 8, 5 or 4 (above) */
+    int zero; /* a narrow value v is kept as v + zero */
 } slotserve_packed_weight;
+
+/* Bytes of a pair's block of narrow values, `bits` a value. */
+static inline long chunk_bytes(int bits) {
+    return bits == 8 ? 2 * TILE * BLOCK : bits == 4 ? TILE * BLOCK : TILE * BLOCK + 2 * TILE * BLOCK / 8;
+}
+
+/* 4 * VW bits at p, each as a byte of 0x10 (set) or 0 (clear), bit i as byte i. */
+static inline __attribute__((always_inline)) vi fifth_bits(const uint8_t *p) {
+#if VW == 16 && defined(__AVX512BW__)
+    uint64_t m;
+    memcpy(&m, p, sizeof m);
+    return (vi)_mm512_maskz_mov_epi8(m, _mm512_set1_epi8(0x10));
+#elif VW == 8 && defined(__AVX2__)
+    uint32_t m;
+    memcpy(&m, p, sizeof m);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m), /* byte i: the bits' byte i / 8 */
+                                               _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
+                                                                2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    return (vi)_mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+#else
+    uint8_t bytes[4 * VW];
+    for (int i = 0; i < 4 * VW; i++) bytes[i] = (uint8_t)((p[i / 8] >> (i % 8) & 1) << 4);
+    vi v;
+    memcpy(&v, bytes, sizeof v);
+    return v;
+#endif
+}
+
+/* Line (t, kq) of a pair's block of narrow values (`chunk`), its VW rows from o * VW on, as the 8-bit layout
+   has it: each lane one row's 4 values at k = 4 kq .. 4 kq + 3, each plus zero, a byte. */
+static inline __attribute__((always_inline)) vi quad_line(const uint8_t *chunk, const int bits, int t, int kq, int o) {
+    vi u;
+    if (bits == 8) {
+        memcpy(&u, chunk + t * TILE * BLOCK + (kq * TILE + o * VW) * 4, sizeof u);
+        return u;
+    }
+    memcpy(&u, chunk + t * TILE * BLOCK / 2 + (kq / 2 * TILE + o * VW) * 4, sizeof u);
+    u = (kq % 2 ? u >> 4 : u) & 0x0f0f0f0f;
+    return bits == 5 ? u | fifth_bits(chunk + TILE * BLOCK + (t * BLOCK / 4 + kq) * 8 + o * VW / 2) : u;
+}
 
 #endif

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from slotserve import host_memory
 from slotserve.config import ModelConfig
 from slotserve.distributed.group import UNSPLIT, ModelParallel
-from slotserve.kernels.packed_linear import PackedTensor, PackedWeight
+from slotserve.kernels.packed_linear import BLOCK, CHUNK_BITS, TILE, PackedTensor, PackedWeight
 from slotserve.layers.embedding import VocabEmbedding
 from slotserve.layers.linear import Linear, MergedLinear, Shard
 from slotserve.models.gguf import PACKED_METADATA, PACKED_PARTS
@@ -195,12 +195,12 @@ def packed_tensors(f: Any) -> dict[str, Callable[[], PackedTensor]]:
     listed = json.loads((f.metadata() or {}).get(PACKED_METADATA, "{}"))
     keys = set(f.keys())
 
-    def reader(name: str, n: int, k: int) -> Callable[[], PackedTensor]:
+    def reader(name: str, n: int, k: int, zero: int) -> Callable[[], PackedTensor]:
         values, scales, offsets = (f"{name}.{part}" for part in PACKED_PARTS)
         return lambda: PackedTensor(f.get_tensor(values), f.get_tensor(scales),
-                                    f.get_tensor(offsets) if offsets in keys else None, n, k)
+                                    f.get_tensor(offsets) if offsets in keys else None, n, k, zero)
 
-    return {name: reader(name, n, k) for name, (n, k) in listed.items()}
+    return {name: reader(name, n, k, zero) for name, (n, k, zero) in listed.items()}
 
 
 @dataclass
@@ -356,16 +356,28 @@ def checkpoint_dtypes(files: list[Path]) -> dict[str, torch.dtype | None]:
     return dtypes
 
 
-def packed_sizes(files: list[Path]) -> dict[str, int]:
-    """The bytes of each packed tensor the checkpoint holds (models/gguf.py writes them), by its name."""
-    sizes: dict[str, int] = {}
+@dataclass(frozen=True)
+class PackedSize:
+    """A packed tensor's bytes as the checkpoint holds it, and at 8 bits a value (how it stacks with parts of
+    other bits or zeros: PackedTensor.cat); `form` its bits and zero."""
+
+    nbytes: int
+    byte_nbytes: int
+    form: tuple[int, int]
+
+
+def packed_sizes(files: list[Path]) -> dict[str, PackedSize]:
+    """Each packed tensor the checkpoint holds (models/gguf.py writes them), by its name."""
+    sizes: dict[str, PackedSize] = {}
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 keys = set(f.keys())
-                for name in json.loads((f.metadata() or {}).get(PACKED_METADATA, "{}")):
-                    parts = [f.get_slice(f"{name}.{part}") for part in PACKED_PARTS if f"{name}.{part}" in keys]
-                    sizes[name] = sum(math.prod(s.get_shape()) * (1 if s.get_dtype() == "U8" else 4) for s in parts)
+                for name, (_, _, zero) in json.loads((f.metadata() or {}).get(PACKED_METADATA, "{}")).items():
+                    values, *rest = [f.get_slice(f"{name}.{part}") for part in PACKED_PARTS if f"{name}.{part}" in keys]
+                    shape, scalars = values.get_shape(), sum(4 * math.prod(s.get_shape()) for s in rest)
+                    in_bytes = math.prod(shape[:-1]) * 2 * TILE * BLOCK + scalars
+                    sizes[name] = PackedSize(math.prod(shape) + scalars, in_bytes, (CHUNK_BITS[shape[-1]], zero))
         except SafetensorError as e:
             raise WeightsError(f"{file}: cannot read safetensors ({e})") from None
     return sizes
@@ -373,21 +385,23 @@ def packed_sizes(files: list[Path]) -> dict[str, int]:
 
 def weight_footprint(model: nn.Module, dtype: torch.dtype, device: torch.device,
                      stored: dict[str, torch.dtype | None] | None = None,
-                     packed: dict[str, int] | None = None) -> WeightFootprint:
+                     packed: dict[str, PackedSize] | None = None) -> WeightFootprint:
     """The bytes of `model`'s parameters (as built on the meta device from the config) in `dtype`.
 
     On CPU a tensor the checkpoint (`stored`: name -> dtype) already holds in `dtype` stays mapped
     from the file; without `stored` every weight counts as copied, as do merged projections (no
     checkpoint tensor has their name). A float32 CPU weight whose parts the checkpoint all holds packed
-    (`packed`: name -> bytes) takes their bytes: mapped where it is one, copied where they are stacked."""
+    (`packed`) takes their bytes: mapped where it is one, copied where they are stacked (at 8 bits a value where
+    the parts' bits or zeros differ)."""
     elem = torch.empty(0, dtype=dtype).element_size()
     mapped = copied = 0
     held = _held_parts(model, packed) if packed and device.type == "cpu" and dtype == torch.float32 else {}
     for name, p in model.named_parameters():  # a tied lm_head appears once
         if name in held and len(held[name]) == 1:
-            mapped += held[name][0]
+            mapped += held[name][0].nbytes
         elif name in held:
-            copied += sum(held[name])
+            mixed = len({part.form for part in held[name]}) > 1
+            copied += sum(part.byte_nbytes if mixed else part.nbytes for part in held[name])
         elif device.type == "cpu" and stored is not None and stored.get(name) == dtype:
             mapped += p.numel() * elem
         else:
@@ -395,14 +409,14 @@ def weight_footprint(model: nn.Module, dtype: torch.dtype, device: torch.device,
     return WeightFootprint(mapped, copied)
 
 
-def _held_parts(model: nn.Module, packed: dict[str, int]) -> dict[str, list[int]]:
-    """Parameter name -> the packed bytes of each of its checkpoint parts, for parameters packed in every part."""
+def _held_parts(model: nn.Module, packed: dict[str, PackedSize]) -> dict[str, list[PackedSize]]:
+    """Parameter name -> each of its checkpoint parts' packed sizes, for parameters packed in every part."""
     layout = checkpoint_layout(model)
     places = [(name, place) for name, place in layout.items() if place is not None]
-    parts: dict[str, list[int]] = {}
+    parts: dict[str, list[PackedSize]] = {}
     for name, place in places:
-        if (nbytes := packed.get(name, packed.get(name.removeprefix("model.")))) is not None:
-            parts.setdefault(place.param, []).append(nbytes)
+        if (size := packed.get(name, packed.get(name.removeprefix("model.")))) is not None:
+            parts.setdefault(place.param, []).append(size)
     wanted = {param: sum(place.param == param for _, place in places) for param in parts}
     return {param: sizes for param, sizes in parts.items() if len(sizes) == wanted[param]}
 

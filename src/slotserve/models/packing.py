@@ -86,7 +86,7 @@ def move_packings(model: nn.Module, available: int) -> int:
         p = unique.pop(key)
         values, scales = next(copies), next(copies)
         offsets = None if p.offsets is None else next(copies)
-        new = packed_linear.PackedWeight(None, p.bias, values, scales, offsets, p.n, p.k, p.halves)
+        new = packed_linear.PackedWeight(None, p.bias, values, scales, offsets, p.n, p.k, p.halves, p.zero)
         new.panel_dtype = p.panel_dtype
         for m in users:
             if m.packed is p:
