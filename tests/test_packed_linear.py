@@ -226,25 +226,51 @@ def _signed(w: torch.Tensor, seed: int = 0) -> torch.Tensor:
             ).view(n, k)
 
 
-# GGUF-like weights, the bits and zero pack_narrow keeps them in: the fewest that hold every block's values.
-COMPACT = {"q4_0": (lambda n, k: _signed(_block_scaled(n, k, 8)), 4, 8),
-           "q5_0": (lambda n, k: _signed(_block_scaled(n, k, 16)), 5, 16), "q4_k": (_q4_k, 4, 0),
-           "q8_0": (lambda n, k: _block_scaled(n, k, 128), 8, 128), "q6_k": (_q6_k, 8, 128)}
+def _k_quant(n: int, k: int, levels: int, offsets: bool, seed: int = 0) -> torch.Tensor:
+    """A GGUF K-quant-like weight: per super-block of 256 along a row fp16 factors d (and m), per block (of 32,
+    or 16 where levels > 16: Q6_K) a 6-bit integer (8-bit signed for Q6_K) times d, times integers in [0, levels)
+    (less levels / 2 without offsets), less another 6-bit one times m (a zero one here and there: blocks of
+    zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    per = 16 if levels > 16 else 32
+    d, m = ((torch.rand(n, k // 256, 1, 1, generator=g) * 0.002 + 1e-4).half().double() for _ in range(2))
+    codes = (torch.randint(-128, 128, (n, k // 256, 256 // per, 1), generator=g) if levels > 16 else
+             torch.randint(0, 64, (n, k // 256, 256 // per, 1), generator=g)).double()
+    q = torch.randint(0, levels, (n, k // 256, 256 // per, per), generator=g).double() - (0 if offsets else levels // 2)
+    w = d * codes * q
+    if offsets:  # where the difference is not a float32, the block drops its offset (as in _q4_k)
+        c = m * torch.randint(0, 64, codes.shape, generator=g).double()
+        w = torch.where(((w - c).float().double() == w - c).all(-1, keepdim=True), w - c, w)
+    return w.float().reshape(n, k)
+
+
+# GGUF-like weights: the bits and zero pack_narrow keeps them in (the fewest that hold every block's values),
+# and whether their scales (and offsets) are float16 codes under factors: where the blocks share factors.
+COMPACT = {"q4_0": (lambda n, k: _signed(_block_scaled(n, k, 8)), 4, 8, (True, None)),
+           "q5_0": (lambda n, k: _signed(_block_scaled(n, k, 16)), 5, 16, (True, None)),
+           "q4_k": (lambda n, k: _k_quant(n, k, 16, True), 4, 0, (True, False)),
+           "q4_k, scales of their own": (_q4_k, 4, 0, (False, False)),
+           "q8_0": (lambda n, k: _block_scaled(n, k, 128), 8, 128, (True, None)),
+           "q6_k": (lambda n, k: _k_quant(n, k, 64, False), 8, 128, (True, None))}
 
 
 @pytest.mark.parametrize("kind", COMPACT)
-def test_integer_blocks_pack_in_the_fewest_bits_with_the_bytes_bits(kind):
+def test_integer_blocks_pack_in_their_smallest_form_with_the_bytes_bits(kind):
     """A checkpoint's packing (pack_narrow) keeps 4, 5 or 8 bits a value (a block negated, scale and values,
-    where its values fit so): read back exactly, and every kernel gives the bits of the 8-bit packing."""
-    make, bits, zero = COMPACT[kind]
-    n, k = 1000, 896
+    where its values fit so), and float16 scales under factors where they fit: read back exactly, and every
+    kernel gives the bits of the 8-bit float32-scaled packing."""
+    make, bits, zero, grouped = COMPACT[kind]
+    n, k = 1000, 1024
     w = make(n, k)
     tensor = packed_linear.pack_narrow(w)
     assert (tensor.bits, tensor.zero) == (bits, zero)
+    assert (tensor.scales.factors is not None, None if tensor.offsets is None else tensor.offsets.factors is not None
+            ) == grouped
     compact = PackedWeight.of(tensor, torch.randn(n))
     full = PackedWeight.of(PackedWeight.pack(w).tensor(), compact.bias)
     assert torch.equal(compact.dequantize(), w) and torch.equal(PackedWeight.of(tensor.in_bytes()).dequantize(), w)
-    assert compact.nbytes == full.nbytes - (8 - bits) * 32 * -(-n // 32) * k // 8
+    value_bytes = -(-n // 32) * 32 * k * bits // 8
+    assert compact.nbytes == value_bytes + sum(t.nbytes for t in compact.buffers[1:])
     x = torch.randn(PANEL_ROWS + 9, k)
     for rows in (1, FEW_ROWS, FEW_ROWS + 1, AMX_MIN_ROWS + 1, PANEL_ROWS - 1, x.shape[0]):
         assert torch.equal(compact(x[:rows]), full(x[:rows])), rows
@@ -259,7 +285,8 @@ def test_the_compact_bytes_are_where_the_layout_puts_them():
         w = torch.randint(-levels, levels, (n, k), generator=g).float()
         w[:, ::16] = 1.0  # every scale 1
         tensor = packed_linear.pack_narrow(w)
-        assert tensor.bits == bits and tensor.zero == levels and (tensor.scales == 1).all()
+        scales = tensor.scales.floats().permute(0, 3, 1, 2).reshape(64, -1)  # [row][block]
+        assert tensor.bits == bits and tensor.zero == levels and (scales[:n] == 1).all()
         u = torch.cat([w, torch.zeros(64 - n, k)]) + levels  # rows past n are zeros
         lines = u.reshape(2, 2, 16, k // BLOCK, 8, 4).permute(0, 3, 1, 4, 2, 5).to(torch.uint8)
         lines = lines.reshape(2, k // BLOCK, 2, 4, 2, 64)  # [pair][block][tile][k-quad pair][parity][line]
@@ -274,10 +301,10 @@ def test_the_compact_bytes_are_where_the_layout_puts_them():
 def test_compact_parts_stack_and_pad_in_a_form_that_holds_them_all():
     """Parts of one form stack as they are; of different bits or zeros, in the fewest bits that hold all;
     padding rows are zeros in any form."""
-    q4, q5, q4_k = (packed_linear.pack_narrow(make(64, 128)) for make, _, _ in
+    q4, q5, q4_k = (packed_linear.pack_narrow(make(64, 256)) for make, *_ in
                     (COMPACT["q4_0"], COMPACT["q5_0"], COMPACT["q4_k"]))
     for parts, bits in (([q4, q4], 4), ([q4, q5], 5), ([q4_k, q4], 5), ([q5, packed_linear.pack_narrow(
-            _block_scaled(64, 128, 128))], 8)):
+            _block_scaled(64, 256, 128))], 8)):
         stacked = PackedTensor.cat(parts).padded(200)
         assert stacked.bits == bits and stacked.n == 200
         rows = PackedWeight.of(stacked).dequantize()

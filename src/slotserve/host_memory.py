@@ -66,9 +66,10 @@ def move_weights(model: nn.Module, available: int) -> int:
     params = [p for p in model.parameters() if p.device.type == "cpu"]
     large = [p for p in params if p.nbytes >= MIN_BYTES]
     mappings = FileMappings.read()
-    small = {id(p): nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
-             for p in params if p.nbytes < MIN_BYTES and mappings.holds(p.data_ptr())}
-    _replace(model, small)
+    mapped = [p for p in params if p.nbytes < MIN_BYTES and mappings.holds(p.data_ptr())]
+    _replace(model, {id(p): nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in mapped})
+    for p in mapped:
+        release_around(p, mappings)
     copies = into_huge_pages(list(large), available)
     if copies is None:
         return 0
@@ -170,5 +171,21 @@ class FileMappings:
         return cls(tuple(lo for lo, _ in spans), tuple(hi for _, hi in spans))
 
     def holds(self, address: int) -> bool:
+        return self.span(address) is not None
+
+    def span(self, address: int) -> tuple[int, int] | None:
+        """The mapping's range that holds address, if any."""
         i = bisect.bisect_right(self.starts, address) - 1
-        return i >= 0 and address < self.stops[i]
+        return (self.starts[i], self.stops[i]) if i >= 0 and address < self.stops[i] else None
+
+
+def release_around(tensor: torch.Tensor, mappings: FileMappings) -> None:
+    """Drops the pages of the HUGE_PAGE-aligned span around a tensor in a file mapping from this process, once
+    it is copied: reading it mapped the file's large folio around it (the page cache's, up to 2 MB), most of it
+    other tensors' pages. Those still read fault back in."""
+    span = mappings.span(tensor.data_ptr()) if _libc is not None and tensor.device.type == "cpu" else None
+    if span is None:
+        return
+    start = max(span[0], tensor.data_ptr() // HUGE_PAGE * HUGE_PAGE)
+    stop = min(span[1], _round_up(tensor.data_ptr() + tensor.nbytes, HUGE_PAGE))
+    _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), MADV_DONTNEED)

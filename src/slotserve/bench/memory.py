@@ -17,9 +17,8 @@ def weight_bytes(model: nn.Module) -> int:
         storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     for m in model.modules():
         packed = getattr(m, "packed", None)
-        for t in (() if packed is None else (packed.values, packed.scales, packed.offsets)):
-            if t is not None:
-                storages.setdefault(t.data_ptr(), t.nbytes)
+        for t in () if packed is None else packed.buffers:
+            storages.setdefault(t.data_ptr(), t.nbytes)
     return sum(storages.values())
 
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from slotserve import host_memory
 from slotserve.config import EngineConfig, ModelConfig
 from slotserve.engine.engine_core import EngineCore, EngineStats
 from slotserve.engine.input_processor import InputProcessor
@@ -33,6 +34,7 @@ class LLMEngine:
         self.config = config
         path = resolve_model(config.model)
         self.tokenizer = Tokenizer.from_dir(path)
+        host_memory.trim_heap()  # what parsing its JSON freed, before the model loads beside it
         self.core = EngineCore(config, path, self.tokenizer.eos_token_id)
         prompting = ImagePrompting.for_model(path, self.core.model_config, config.limit_mm_per_prompt,
                                              config.image_min_pixels, config.image_max_pixels)

@@ -156,9 +156,10 @@ static void pair_rows(const uint16_t *parts, const float *xsums, const slotserve
         for (int t = 0; t < 2; t++) {
             __m512 scale[GROUP], offset[GROUP];
             for (int g = 0; g < group; g++) {
-                const long at = (p * blocks + g0 + g) * PAIR + t * TILE;
-                scale[g] = _mm512_loadu_ps(w->scales + at);
-                offset[g] = w->offsets ? _mm512_loadu_ps(w->offsets + at) : _mm512_setzero_ps();
+                scale[g] = (__m512)block_scales(w->scales, w->scale_factors, p, blocks, g0 + g, 1, 0, t * TILE);
+                offset[g] = w->offsets ? (__m512)block_scales(w->offsets, w->offset_factors, p, blocks, g0 + g, 1, 0,
+                                                              t * TILE)
+                                       : _mm512_setzero_ps();
             }
             for (int m = 0; m < rows; m++) {
                 __m512 a = _mm512_setzero_ps(); /* the group's part: added to acc once, not block by block */

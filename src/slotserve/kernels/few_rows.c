@@ -265,10 +265,9 @@ static inline __attribute__((always_inline)) void few_rows(const split_x *xs, co
 #endif
                     }
                 }
-                const long at = ((p * blocks + b) * segments + seg) * PAIR;
                 for (int v = 0; v < at_once; v++) {
-                    const long col = at + (v0 + v) / OUT_VECTORS * TILE + (v0 + v) % OUT_VECTORS * VW;
-                    const vf scale = load(w->scales + col);
+                    const int col = (v0 + v) / OUT_VECTORS * TILE + (v0 + v) % OUT_VECTORS * VW; /* in the pair */
+                    const vf scale = block_scales(w->scales, w->scale_factors, p, blocks, b, segments, seg, col);
                     for (int m = 0; m < rows; m++) {
                         const int32_t *bias_of = xs[m].bias + 2 * (3 * b + part); /* zero * the sums of hi, lo */
 #if BYTE_DIGITS
@@ -282,7 +281,9 @@ static inline __attribute__((always_inline)) void few_rows(const split_x *xs, co
                                            __builtin_convertvector(l, vf));
                         if (w->offsets) {
                             const vf sum_x = splat(xs[m].sums[3 * b + part]);
-                            const vf r = fmadd(s, scale, load(w->offsets + col) * sum_x);
+                            const vf offset = block_scales(w->offsets, w->offset_factors, p, blocks, b, segments, seg,
+                                                           col);
+                            const vf r = fmadd(s, scale, offset * sum_x);
                             group[m][v] = fmadd(r, splat(xs[m].unit[b]), group[m][v]);
                         } else {
                             group[m][v] = fmadd(s, scale * splat(xs[m].unit[b]), group[m][v]);

@@ -277,12 +277,6 @@ static int narrow_value(const slotserve_packed_weight *w, long blocks, long n, l
     return w->bits == 5 ? nibble | (chunk[TILE * BLOCK + at / 8] >> (at % 8) & 1) << 4 : nibble;
 }
 
-/* The scale (or offset) index of row n's block b, half h (0 without halves). */
-static long scale_at(const slotserve_packed_weight *w, long blocks, long n, long b, int h) {
-    const int segments = w->halves ? 2 : 1;
-    return ((n / PAIR * blocks + b) * segments + h) * PAIR + n % PAIR;
-}
-
 /* out[i][k] = the weight's row ids[i], column k, as float32: the rows an embedding looks up. Narrow packings
    only (-2 else); ids must be within the weight's rows. Returns 0. */
 int slotserve_unpack_rows(const slotserve_packed_weight *w, long K, const long *ids, long count, float *out,
@@ -294,8 +288,12 @@ int slotserve_unpack_rows(const slotserve_packed_weight *w, long K, const long *
     for (long i = 0; i < count; i++)
         for (long b = 0; b < blocks; b++) {
             for (int h = 0; h < (w->halves ? 2 : 1); h++) {
-                const long at = scale_at(w, blocks, ids[i], b, h);
-                const float scale = w->scales[at], offset = w->offsets ? w->offsets[at] : 0.0f;
+                const long p = ids[i] / PAIR, segments = w->halves ? 2 : 1;
+                const int col = (int)(ids[i] % PAIR);
+                const float scale = block_scale(w->scales, w->scale_factors, p, blocks, b, segments, h, col);
+                const float offset = w->offsets ? block_scale(w->offsets, w->offset_factors, p, blocks, b, segments, h,
+                                                              col)
+                                                : 0.0f;
                 const int len = w->halves ? BLOCK / 2 : BLOCK;
                 for (int k = h * len; k < (h + 1) * len; k++)
                     out[i * K + b * BLOCK + k] = fmaf(scale, (float)(narrow_value(w, blocks, ids[i], b, k) - w->zero),
@@ -332,9 +330,11 @@ int slotserve_unpack_panel(const slotserve_packed_weight *w, long K, long first,
                     const int row = t * TILE + half * VW; /* in the pair */
                     const long column = (p - first) * PAIR + row;
                     for (int kq = 0; kq < BLOCK / 4; kq++) {
-                        const long at = ((p * blocks + b) * segments + (segments == 2 ? kq / 4 : 0)) * PAIR + row;
-                        const vf scale = load(w->scales + at);
-                        const vf offset = w->offsets ? load(w->offsets + at) : splat(0.0f);
+                        const int seg = segments == 2 ? kq / 4 : 0;
+                        const vf scale = block_scales(w->scales, w->scale_factors, p, blocks, b, segments, seg, row);
+                        const vf offset = w->offsets ? block_scales(w->offsets, w->offset_factors, p, blocks, b,
+                                                                    segments, seg, row)
+                                                     : splat(0.0f);
                         const vi quads = quad_line(chunk, w->bits, t, kq, half); /* a lane: a row's 4 values */
                         for (int j = 0; j < 4; j++) {
                             const vf v = __builtin_convertvector(((quads >> (8 * j)) & 0xff) - w->zero, vf);

@@ -31,7 +31,7 @@
 /* A packed weight's buffers; offsets NULL where the blocks have none. */
 typedef struct {
     const void *values; /* bfloat16 bits (uint16), or where `narrow` int8 values plus 128 (uint8, in k-quads) */
-    const float *scales, *offsets;
+    const void *scales, *offsets; /* float32, or float16 codes where their factors are not NULL */
     int narrow;
     int halves; /* each block's two halves of 16 have their own scale (and offset): GGUF's Q6_K; few rows only */
     /* The rows it takes (the caller's choice, kept here): a narrow packing's 1..max_rows, on AMX from min_rows
@@ -39,7 +39,52 @@ typedef struct {
     long min_rows, max_rows;
     int bits; /* a narrow packing's bits a value: 8, 5 or 4 (above) */
     int zero; /* a narrow value v is kept as v + zero */
+    /* Where not NULL, scales (offsets) are float16 codes, and each is its code times the factor of its row and
+       its group of SCALE_GROUP blocks: [pair][group][PAIR], float32. */
+    const float *scale_factors, *offset_factors;
 } slotserve_packed_weight;
+
+#define SCALE_GROUP 8 /* blocks under one factor: a GGUF K-quant's super-block of 256 */
+
+/* VW float16 bits at p as floats (exactly). */
+static inline __attribute__((always_inline)) vf halves_to_floats(const uint16_t *p) {
+#if VW == 16
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    vf v;
+    for (int i = 0; i < VW; i++) {
+        _Float16 h;
+        memcpy(&h, p + i, sizeof h);
+        v[i] = (float)h;
+    }
+    return v;
+#endif
+}
+
+/* The VW scales (or offsets, with theirs factors) of pair p's block b, segment seg, from row col of the pair
+   on: float32 ones, or their codes times their factors (an exact product: the packing checked it). */
+static inline __attribute__((always_inline)) vf block_scales(const void *scales, const float *factors, long p,
+                                                             long blocks, long b, int segments, int seg, int col) {
+    const long at = ((p * blocks + b) * segments + seg) * PAIR + col;
+    if (!factors)
+        return load((const float *)scales + at);
+    const long groups = (blocks + SCALE_GROUP - 1) / SCALE_GROUP;
+    return halves_to_floats((const uint16_t *)scales + at) * load(factors + (p * groups + b / SCALE_GROUP) * PAIR + col);
+}
+
+/* One of those scales. */
+static inline float block_scale(const void *scales, const float *factors, long p, long blocks, long b, int segments,
+                                int seg, int col) {
+    const long at = ((p * blocks + b) * segments + seg) * PAIR + col;
+    if (!factors)
+        return ((const float *)scales)[at];
+    const long groups = (blocks + SCALE_GROUP - 1) / SCALE_GROUP;
+    _Float16 h;
+    memcpy(&h, (const uint16_t *)scales + at, sizeof h);
+    return (float)h * factors[(p * groups + b / SCALE_GROUP) * PAIR + col];
+}
 
 /* Bytes of a pair's block of narrow values, `bits` a value. */
 static inline long chunk_bytes(int bits) {

@@ -23,7 +23,6 @@ import ctypes
 import functools
 import os
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,11 +30,22 @@ import torch
 from slotserve import host_memory
 from slotserve.config import PrefillPrecision
 from slotserve.kernels import native
+from slotserve.kernels.packed_tensor import (
+    BLOCK,
+    BYTE_ZERO,
+    CHUNK_BITS,
+    PAIR,
+    SCALE_GROUP,
+    TILE,
+    PackedTensor,
+    Scales,
+)
+
+__all__ = ["BLOCK", "PAIR", "TILE", "PackedTensor", "PackedWeight", "Scales"]
 
 PACK_SOURCE = Path(__file__).with_name("packed_linear.c")
 FEW_ROWS_SOURCE = Path(__file__).with_name("few_rows.c")
 AMX_SOURCE = Path(__file__).with_name("amx_gemm.c")
-BLOCK, PAIR, TILE = 32, 32, 16  # k per scale; weight rows per packed pair of tiles, per tile (packed_linear.h's)
 # A bfloat16 packing's calls of fewer rows stay on the float32 kernel's dot-product form (small_gemm.c's 1..DOT_ROWS
 # rows), AMX takes the rest. A narrow packing takes every row count: up to FEW_ROWS on few_rows.c.
 AMX_MIN_ROWS = 12
@@ -57,7 +67,8 @@ class Packing(ctypes.Structure):
 
     _fields_ = [("values", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
                 ("narrow", ctypes.c_int), ("halves", ctypes.c_int), ("min_rows", ctypes.c_long),
-                ("max_rows", ctypes.c_long), ("bits", ctypes.c_int), ("zero", ctypes.c_int)]
+                ("max_rows", ctypes.c_long), ("bits", ctypes.c_int), ("zero", ctypes.c_int),
+                ("scale_factors", ctypes.c_void_p), ("offset_factors", ctypes.c_void_p)]
 
 
 @functools.cache
@@ -135,172 +146,6 @@ def packs() -> bool:
     return os.environ.get("SLOTSERVE_PACK_WEIGHTS", "1") != "0" and built()
 
 
-CHUNK_BITS = {2 * TILE * BLOCK: 8, TILE * BLOCK + 2 * TILE * BLOCK // 8: 5, TILE * BLOCK: 4}  # a pair's block's bytes
-BYTE_ZERO = 128  # what an 8-bit packing adds to its values
-_ENCODE_PAIRS = 4096  # pairs re-encoded at a time
-
-
-def _nibbles(u: torch.Tensor, bits: int) -> torch.Tensor:
-    """Values in the 8-bit layout (u = v + zero, uint8 [..., 2 * TILE * BLOCK]) as packed_linear.h's `bits` layout."""
-    lines = u.view(*u.shape[:-1], 2, BLOCK // 8, 2, 4 * TILE)  # [tile][k-quad pair][k-quad parity][line]
-    nibbles = ((lines[..., 0, :] & 15) | (lines[..., 1, :] << 4)).reshape(*u.shape[:-1], TILE * BLOCK)
-    if bits == 4:
-        return nibbles
-    fifth = (u >> 4 & 1).view(*u.shape[:-1], -1, 8) << torch.arange(8, dtype=torch.uint8)
-    return torch.cat([nibbles, fifth.sum(-1, dtype=torch.uint8)], dim=-1)
-
-
-def _bytes(chunks: torch.Tensor) -> torch.Tensor:
-    """_nibbles undone: a compact layout's chunks as 8-bit layout's (u = v + zero, uint8)."""
-    lead, bits = chunks.shape[:-1], CHUNK_BITS[chunks.shape[-1]]
-    nibbles = chunks[..., :TILE * BLOCK].reshape(*lead, 2, BLOCK // 8, 1, 4 * TILE)
-    u = torch.cat([nibbles & 15, nibbles >> 4], dim=-2).reshape(*lead, 2 * TILE * BLOCK)
-    if bits == 5:
-        plane = chunks[..., TILE * BLOCK:].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8) & 1
-        u |= plane.reshape(u.shape) << 4
-    return u
-
-
-def _indexed_runs(values: torch.Tensor):
-    """values' pairs, _ENCODE_PAIRS at a time (at least one run), with the first pair's index: the intermediates
-    of re-encoding stay ~100 MB whatever the tensor."""
-    return ((i, values[i:i + _ENCODE_PAIRS]) for i in range(0, max(len(values), 1), _ENCODE_PAIRS))
-
-
-def _runs(values: torch.Tensor):
-    return (run for _, run in _indexed_runs(values))
-
-
-def _in_runs(values: torch.Tensor, f) -> torch.Tensor:
-    """f over the pairs of values, in runs."""
-    return torch.cat([f(run) for run in _runs(values)])
-
-
-def _segment_range(run: torch.Tensor, segments: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The least and the largest value of each block (or half block) of an 8-bit layout's run of pairs, as
-    [pairs, blocks, segments, PAIR] (the scales' shape)."""
-    v = run.view(*run.shape[:2], 2, segments, -1, TILE, 4)  # [pair][block][tile][segment][k-quad][row][4]
-    low, high = v.amin(dim=(4, 6)), v.amax(dim=(4, 6))  # [pair][block][tile][segment][row]
-    shape = (*run.shape[:2], segments, 2 * TILE)
-    low, high = ((t.to(torch.int16) - BYTE_ZERO).permute(0, 1, 3, 2, 4).reshape(shape) for t in (low, high))
-    return low, high
-
-
-@dataclass(frozen=True)
-class PackedTensor:
-    """A narrow packing's buffers as a checkpoint stores them (packed_linear.h's layouts): `values` uint8
-    [pairs, blocks, bytes] (2 * TILE * BLOCK bytes: 8 bits a value; fewer: 5 or 4, CHUNK_BITS), each value kept
-    plus `zero`; `scales` and `offsets` (None: no offsets) float32 [pairs, blocks, halves, PAIR] (halves 2 where
-    each half block has its own), of an [n, k] weight."""
-
-    values: torch.Tensor
-    scales: torch.Tensor
-    offsets: torch.Tensor | None
-    n: int
-    k: int
-    zero: int = BYTE_ZERO
-
-    @property
-    def halves(self) -> bool:
-        return self.scales.shape[2] == 2
-
-    @property
-    def bits(self) -> int:
-        return CHUNK_BITS[self.values.shape[-1]]
-
-    def compact(self) -> PackedTensor:
-        """The same weight in the fewest bits (4, 5 or 8) that hold each block's values, or their negation (its
-        scale negated too: the same products and sums, negated twice; GGUF's Q5_0 scales have either sign), and
-        a padding row's 0 within one window [-zero, 2^bits - 1 - zero]."""
-        if self.bits != 8:
-            return self
-        segments = self.scales.shape[2]
-        lows, highs = zip(*(_segment_range(run, segments) for run in _runs(self.values)), strict=True)
-        low, high = torch.cat(lows), torch.cat(highs)
-        for bits in (4, 5):
-            span = 2**bits - 1
-            for start in dict.fromkeys((min(int(low.min()), 0), -(span + 1) // 2, 0)):
-                flip = ~((low >= start) & (high <= start + span))
-                if ((-high >= start) & (-low <= start + span) | ~flip).all():
-                    return self._encoded(bits, -start, flip)
-        return self
-
-    def _encoded(self, bits: int, zero: int, flip: torch.Tensor) -> PackedTensor:
-        """compact's form: `bits` a value, kept plus zero; the blocks (or half blocks) where `flip` negated."""
-        sign = 1 - 2 * flip.to(torch.int16)  # [pairs, blocks, segments, PAIR]
-        segments = sign.shape[2]
-
-        def encode(run: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-            v = run.view(*run.shape[:2], 2, segments, -1, TILE, 4).to(torch.int16) - BYTE_ZERO
-            per_value = signs.view(*signs.shape[:3], 2, TILE).permute(0, 1, 3, 2, 4)[..., None, :, None]
-            u = (v * per_value + zero).to(torch.uint8).view(*run.shape)
-            return _nibbles(u, bits)
-
-        values = torch.cat([encode(run, sign[i:i + len(run)]) for i, run in _indexed_runs(self.values)])
-        return PackedTensor(values, self.scales * sign, self.offsets, self.n, self.k, zero)
-
-    def in_bytes(self) -> PackedTensor:
-        """The same weight at 8 bits a value."""
-        if self.bits == 8:
-            return self
-        values = _in_runs(self.values, lambda run: _bytes(run) + (BYTE_ZERO - self.zero) % 256)
-        return PackedTensor(values, self.scales, self.offsets, self.n, self.k)
-
-    def pairs(self, start: int, stop: int) -> PackedTensor:
-        """Rows [start, stop) (start a multiple of PAIR; stop too, or n)."""
-        if start % PAIR or (stop % PAIR and stop != self.n):
-            raise ValueError(f"packed rows [{start}, {stop}) do not fall on pairs of {PAIR}")
-        cut = slice(start // PAIR, -(-stop // PAIR))
-        return PackedTensor(self.values[cut], self.scales[cut], None if self.offsets is None else self.offsets[cut],
-                            stop - start, self.k, self.zero)
-
-    def columns(self, start: int, stop: int) -> PackedTensor:
-        """Columns [start, stop), both multiples of BLOCK (a copy)."""
-        if start % BLOCK or stop % BLOCK:
-            raise ValueError(f"packed columns [{start}, {stop}) do not fall on blocks of {BLOCK}")
-        cut = (slice(None), slice(start // BLOCK, stop // BLOCK))
-        return PackedTensor(self.values[cut].contiguous(), self.scales[cut].contiguous(),
-                            None if self.offsets is None else self.offsets[cut].contiguous(), self.n, stop - start,
-                            self.zero)
-
-    def widened(self, halves: bool, offsets: bool) -> PackedTensor:
-        """The same weight in a wider form: scales per half block, offsets (zero ones where it has none)."""
-        scales = self.scales.expand(-1, -1, 2, -1) if halves and not self.halves else self.scales
-        offs = self.offsets
-        if offs is None and offsets:
-            offs = torch.zeros_like(scales)
-        elif offs is not None and offs.shape != scales.shape:
-            offs = offs.expand_as(scales)
-        return PackedTensor(self.values, scales, offs, self.n, self.k, self.zero)
-
-    def padded(self, n: int) -> PackedTensor:
-        """The weight with zero rows after its own, up to n (a rank's vocabulary rows past the vocabulary)."""
-        extra = -(-n // PAIR) - self.values.shape[0]
-        if extra <= 0:
-            return PackedTensor(self.values, self.scales, self.offsets, max(n, self.n), self.k, self.zero)
-        pad = lambda t, fill: torch.cat([t, torch.full((extra, *t.shape[1:]), fill, dtype=t.dtype)])  # noqa: E731
-        zeros = torch.full((extra, self.values.shape[1], 2 * TILE * BLOCK), self.zero, dtype=torch.uint8)
-        values = torch.cat([self.values, zeros if self.bits == 8 else _nibbles(zeros, self.bits)])
-        return PackedTensor(values, pad(self.scales, 1.0), None if self.offsets is None else pad(self.offsets, 0.0),
-                            n, self.k, self.zero)
-
-    @staticmethod
-    def cat(parts: list[PackedTensor]) -> PackedTensor:
-        """The parts' rows one after another (every part but the last a whole number of pairs), in the widest
-        form any part has (parts of different bits or zeros: in the fewest bits all their values take)."""
-        if len(parts) == 1:
-            return parts[0]
-        if any(p.n % PAIR for p in parts[:-1]) or len({p.k for p in parts}) != 1:
-            raise ValueError("packed parts do not stack: rows not in whole pairs, or different columns")
-        halves, offsets = any(p.halves for p in parts), any(p.offsets is not None for p in parts)
-        mixed = len({(p.bits, p.zero) for p in parts}) > 1
-        wide = [(p.in_bytes() if mixed else p).widened(halves, offsets) for p in parts]
-        tensor = PackedTensor(torch.cat([p.values for p in wide]), torch.cat([p.scales for p in wide]),
-                              torch.cat([p.offsets for p in wide]) if offsets else None,
-                              sum(p.n for p in parts), parts[0].k, wide[0].zero)
-        return tensor.compact() if mixed else tensor
-
-
 _workspace = threading.local()  # each thread's panel, kept: a new one per call would fault its pages in again
 
 
@@ -320,8 +165,10 @@ class PackedWeight:
 
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, values: torch.Tensor,
                  scales: torch.Tensor, offsets: torch.Tensor | None, n: int, k: int, halves: bool = False,
-                 zero: int = BYTE_ZERO) -> None:
+                 zero: int = BYTE_ZERO, scale_factors: torch.Tensor | None = None,
+                 offset_factors: torch.Tensor | None = None) -> None:
         self.weight, self.bias, self.values, self.scales, self.offsets = weight, bias, values, scales, offsets
+        self.scale_factors, self.offset_factors = scale_factors, offset_factors
         self.n, self.k, self.zero = n, k, zero
         self.narrow, self.halves = values.dtype in (torch.int8, torch.uint8), halves
         self.bits = CHUNK_BITS[values.numel() // (-(-n // PAIR) * (k // BLOCK))] if self.narrow else 16
@@ -329,7 +176,8 @@ class PackedWeight:
         self.min_rows = (FEW_ROWS + 1 if self.narrow else AMX_MIN_ROWS) if amx else ALL_ROWS
         self.max_rows = ALL_ROWS if self.narrow or amx else 0
         self.packing = Packing(values.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
-                               self.narrow, halves, self.min_rows, self.max_rows, self.bits, zero)
+                               self.narrow, halves, self.min_rows, self.max_rows, self.bits, zero,
+                               *(None if t is None else t.data_ptr() for t in (scale_factors, offset_factors)))
         self.panel_dtype = panel_dtype()  # the engine's PrefillPrecision sets it (models/packing.py)
         self._few_rows = native.function(FEW_ROWS_SOURCE, "slotserve_few_rows_gemm", _GEMM_ARGS)
         self._amx = native.function(AMX_SOURCE, "slotserve_amx_gemm", _GEMM_ARGS) if amx_available() else None
@@ -342,10 +190,10 @@ class PackedWeight:
                                                 "a C compiler with OpenMP")
         if bias is not None and bias.shape != (tensor.n,):
             raise ValueError(f"packed_linear: bias {tuple(bias.shape)} does not fit weight {(tensor.n, tensor.k)}")
-        values, scales = tensor.values.contiguous(), tensor.scales.contiguous()
-        offsets = None if tensor.offsets is None else tensor.offsets.contiguous()
-        return cls(None, None if bias is None else bias.contiguous(), values, scales, offsets, tensor.n, tensor.k,
-                   tensor.halves, tensor.zero)
+        parts = {name: t.contiguous() for name, t in tensor.buffers.items()}
+        return cls(None, None if bias is None else bias.contiguous(), parts["values"], parts["scales"],
+                   parts.get("offsets"), tensor.n, tensor.k, tensor.halves, tensor.zero, parts.get("scale_factors"),
+                   parts.get("offset_factors"))
 
     @classmethod
     def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, narrow: bool = True) -> PackedWeight | None:
@@ -364,15 +212,26 @@ class PackedWeight:
     def tensor(self) -> PackedTensor:
         """A narrow packing's buffers in their checkpoint shapes (views)."""
         pairs, blocks, segments = -(-self.n // PAIR), self.k // BLOCK, 2 if self.halves else 1
-        shape = (pairs, blocks, segments, PAIR)
+        shape, groups = (pairs, blocks, segments, PAIR), -(-blocks // SCALE_GROUP)
+
+        def scales(codes: torch.Tensor, factors: torch.Tensor | None) -> Scales:
+            return Scales(codes.view(shape), None if factors is None else factors.view(pairs, groups, PAIR))
+
         return PackedTensor(self.values.view(torch.uint8).view(pairs, blocks, -1),
-                            self.scales.view(shape), None if self.offsets is None else self.offsets.view(shape),
+                            scales(self.scales, self.scale_factors),
+                            None if self.offsets is None else scales(self.offsets, self.offset_factors),
                             self.n, self.k, self.zero)
 
     @property
+    def buffers(self) -> list[torch.Tensor]:
+        """Its values, scales and offsets (and their factors)."""
+        return [t for t in (self.values, self.scales, self.offsets, self.scale_factors, self.offset_factors)
+                if t is not None]
+
+    @property
     def nbytes(self) -> int:
-        """What a call streams of the packing: its values, scales and offsets."""
-        return sum(t.nbytes for t in (self.values, self.scales, self.offsets) if t is not None)
+        """What a call streams of the packing: its buffers."""
+        return sum(t.nbytes for t in self.buffers)
 
     def runs(self, rows: int) -> bool:
         """Whether a call with this many rows is worth the packing (the caller's float32 path takes the rest):

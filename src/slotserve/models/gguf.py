@@ -268,17 +268,18 @@ def _can_dequantize(qtype: GGMLQuantizationType) -> bool:
 
 _Job = tuple[str, int, int, int]  # GGUF tensor, rows [start, stop), the first of them in the float32 array
 PACKED_METADATA = "slotserve.packed"  # the safetensors metadata key: {tensor: [n, k, zero]} of the packed ones
-PACKED_PARTS = ("packed_values", "packed_scales", "packed_offsets")  # a packed tensor's three, `{name}.{part}`
+# A packed tensor's buffers (kernels/packed_tensor.py's), each `{name}.packed_{part}`.
+PACKED_PARTS = ("values", "scales", "offsets", "scale_factors", "offset_factors")
+SAFETENSORS_DTYPES = {torch.uint8: "U8", torch.float16: "F16", torch.float32: "F32"}
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
 def write_weights(g: GGUFFile, mappings: list[TensorMapping], out_file: Path, pool: ThreadPool | None = None) -> None:
-    """Every mapped tensor into one safetensors file: a quantized 2-D tensor packed (kernels/packed_linear.py's
-    narrow form in the fewest bits its values take, exact, which the kernels read as it is: `{name}.packed_values`,
-    `.packed_scales` and, where its blocks have offsets, `.packed_offsets`, listed under PACKED_METADATA), where
-    every block fits; the rest float32. One tensor at a time is dequantized, on `pool`'s executors (default
-    `get_pool()`: gguf-py's numpy kernels release the GIL), so memory stays at the largest tensor's float32
-    whatever the model size."""
+    """Every mapped tensor into one safetensors file: a quantized 2-D tensor packed in its smallest exact form
+    (kernels/packed_tensor.py), which the kernels read as it is: `{name}.packed_{part}` for each of its
+    PACKED_PARTS, listed under PACKED_METADATA, where every block fits; the rest float32. One tensor at a time
+    is dequantized, on `pool`'s executors (default `get_pool()`: gguf-py's numpy kernels release the GIL), so
+    memory stays at the largest tensor's float32 whatever the model size."""
     # Imported here: kernels.native imports model_store, which imports this module.
     from slotserve.kernels.packed_linear import pack_narrow
 
@@ -299,11 +300,9 @@ def write_weights(g: GGUFFile, mappings: list[TensorMapping], out_file: Path, po
                 data.write(rows.data)
                 continue
             packed[m.hf_name] = [tensor.n, tensor.k, tensor.zero]
-            for part, t in zip(PACKED_PARTS, (tensor.values, tensor.scales, tensor.offsets), strict=True):
-                if t is not None:
-                    entries.append((f"{m.hf_name}.{part}", "U8" if t.dtype == torch.uint8 else "F32",
-                                    list(t.shape), t.nbytes))
-                    data.write(t.numpy().data)
+            for part, t in tensor.buffers.items():
+                entries.append((f"{m.hf_name}.packed_{part}", SAFETENSORS_DTYPES[t.dtype], list(t.shape), t.nbytes))
+                data.write(t.contiguous().view(torch.uint8).numpy().data)
     header: dict[str, Any] = {"__metadata__": {"format": "pt", PACKED_METADATA: json.dumps(packed)}}
     offset = 0
     for name, dtype, shape, nbytes in entries:

@@ -196,9 +196,8 @@ def packed_tensors(f: Any) -> dict[str, Callable[[], PackedTensor]]:
     keys = set(f.keys())
 
     def reader(name: str, n: int, k: int, zero: int) -> Callable[[], PackedTensor]:
-        values, scales, offsets = (f"{name}.{part}" for part in PACKED_PARTS)
-        return lambda: PackedTensor(f.get_tensor(values), f.get_tensor(scales),
-                                    f.get_tensor(offsets) if offsets in keys else None, n, k, zero)
+        parts = {part: f"{name}.packed_{part}" for part in PACKED_PARTS if f"{name}.packed_{part}" in keys}
+        return lambda: PackedTensor.of_buffers({part: f.get_tensor(key) for part, key in parts.items()}, n, k, zero)
 
     return {name: reader(name, n, k, zero) for name, (n, k, zero) in listed.items()}
 
@@ -248,9 +247,8 @@ class PackedParts:
             if len(parts) > 1:  # copied into one: the parts' file pages are no longer read
                 mappings = mappings or host_memory.FileMappings.read()
                 for _, t in parts:
-                    for buffer in (t.values, t.scales, t.offsets):
-                        if buffer is not None:
-                            host_memory.release_pages(buffer, mappings)
+                    for buffer in t.buffers.values():
+                        host_memory.release_pages(buffer, mappings)
             module.hold_packed(PackedWeight.of(tensor, getattr(module, "bias", None)))
 
 
@@ -356,6 +354,9 @@ def checkpoint_dtypes(files: list[Path]) -> dict[str, torch.dtype | None]:
     return dtypes
 
 
+_ITEM_BYTES = {"U8": 1, "F16": 2, "F32": 4}
+
+
 @dataclass(frozen=True)
 class PackedSize:
     """A packed tensor's bytes as the checkpoint holds it, and at 8 bits a value (how it stacks with parts of
@@ -374,8 +375,10 @@ def packed_sizes(files: list[Path]) -> dict[str, PackedSize]:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 keys = set(f.keys())
                 for name, (_, _, zero) in json.loads((f.metadata() or {}).get(PACKED_METADATA, "{}")).items():
-                    values, *rest = [f.get_slice(f"{name}.{part}") for part in PACKED_PARTS if f"{name}.{part}" in keys]
-                    shape, scalars = values.get_shape(), sum(4 * math.prod(s.get_shape()) for s in rest)
+                    values, *rest = [f.get_slice(f"{name}.packed_{part}") for part in PACKED_PARTS
+                                     if f"{name}.packed_{part}" in keys]
+                    shape = values.get_shape()
+                    scalars = sum(_ITEM_BYTES[s.get_dtype()] * math.prod(s.get_shape()) for s in rest)
                     in_bytes = math.prod(shape[:-1]) * 2 * TILE * BLOCK + scalars
                     sizes[name] = PackedSize(math.prod(shape) + scalars, in_bytes, (CHUNK_BITS[shape[-1]], zero))
         except SafetensorError as e:

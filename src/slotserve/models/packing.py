@@ -77,19 +77,22 @@ def move_packings(model: nn.Module, available: int) -> int:
     holders = [m for m in model.modules() if isinstance(m, Linear) and m.weight is None]
     unique = {id(m.packed): m.packed for m in holders}
     users = [m for m in model.modules() if isinstance(m, Linear | VocabEmbedding) and id(m.packed) in unique]
-    buffers = [t for p in unique.values() for t in (p.values, p.scales, p.offsets) if t is not None]
-    copies = host_memory.into_huge_pages(buffers, available)
+    copies = host_memory.into_huge_pages([t for p in unique.values() for t in p.tensor().buffers.values()], available)
     if copies is None:
         return 0
     moved = 0
     for key in list(unique):
         p = unique.pop(key)
-        values, scales = next(copies), next(copies)
-        offsets = None if p.offsets is None else next(copies)
-        new = packed_linear.PackedWeight(None, p.bias, values, scales, offsets, p.n, p.k, p.halves, p.zero)
+        buffers = {name: next(copies) for name in p.tensor().buffers}
+        new = packed_linear.PackedWeight.of(packed_linear.PackedTensor.of_buffers(buffers, p.n, p.k, p.zero), p.bias)
         new.panel_dtype = p.panel_dtype
         for m in users:
             if m.packed is p:
                 m.packed = new  # the old buffers (a merged projection's copy) go as the next ones are copied
         moved += new.nbytes
+        if moved // TRIM_BYTES != (moved - new.nbytes) // TRIM_BYTES:
+            host_memory.trim_heap()  # the copies freed, where they came from the C heap rather than their own maps
     return moved
+
+
+TRIM_BYTES = 64 << 20  # moved between trims of the C heap
