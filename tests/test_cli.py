@@ -73,7 +73,8 @@ def test_bench_latency_prints_json(tiny_qwen3):
     assert result.returncode == 0, result.stderr
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert_figures(figures, "prefill_tokens_per_s", "decode_tokens_per_s", "prefill_fraction_of_gemm", "weight_bytes",
-                   "peak_resident_bytes", "resident_bytes_before_load")
+                   "peak_resident_bytes", "resident_bytes_before_load", "decode_weight_bytes_per_token", "read_GBps",
+                   "decode_fraction_of_read_bound")
     assert figures["resident_bytes_before_load"] < figures["peak_resident_bytes"]
 
 

@@ -1,6 +1,6 @@
-"""What this machine's arithmetic allows: the rate of a large float32 GEMM, the float32 multiply-add peak
-(kernels/fma_peak.c), and the FLOPs and weight bytes of a model's steps to divide by them. Shared by
-`slotserve bench throughput` and the developer benchmarks (slotserve/bench/dev)."""
+"""What this machine allows: the rate of a large GEMM, the float32 multiply-add peak (kernels/fma_peak.c), the
+memory read rate (kernels/memory_read.c), and the FLOPs and weight bytes of a model's steps to divide by them.
+Shared by `slotserve bench latency` and `throughput` and the developer benchmarks (slotserve/bench/dev)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from slotserve import host_memory
 from slotserve.bench.timing import seconds
 from slotserve.kernels import native
 from slotserve.kernels.packed_linear import PANEL_ROWS
@@ -35,6 +36,39 @@ def gemm_rate(dtype: torch.dtype = torch.float32) -> float:
     gemm = gemm_pass(dtype)
     gemm()
     return GEMM_FLOPS / min(seconds(gemm) for _ in range(3))
+
+
+READ_BYTES = 1 << 30
+READ_SOURCE = Path(native.__file__).with_name("memory_read.c")
+READ_ARGS = (ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p)  # slotserve_read_sum's
+
+
+def read_buffer(huge_pages: bool = True) -> torch.Tensor:
+    """READ_BYTES of float32 ones, far more than the caches hold: in huge pages (where the engine keeps its
+    weights) or in torch's own allocation (4 KB pages, unless the system gives every allocation huge ones)."""
+    if huge_pages and host_memory.enabled():
+        return host_memory.huge_page_bytes(READ_BYTES).view(torch.float32).fill_(1.0)
+    return torch.ones(READ_BYTES // 4)
+
+
+def read_pass(buffer: torch.Tensor) -> Callable[[], object]:
+    """One read of the buffer from DRAM, by plain vector loads on all of torch's threads
+    (kernels/memory_read.c); where the native kernels are not built, by torch's `sum`, which reads ~20 %
+    slower here (`memory_read_torch_sum_GBps`)."""
+    read = native.function(READ_SOURCE, "slotserve_read_sum", READ_ARGS)
+    if read is None:
+        return buffer.sum
+    sink = ctypes.c_float()
+    return lambda: read(buffer.data_ptr(), buffer.numel(), torch.get_num_threads(), ctypes.byref(sink))
+
+
+def read_rate() -> float:
+    """Bytes/s of one read of READ_BYTES in huge pages (where the engine keeps its weights), the best of three
+    after a warm-up: what bounds a batch-1 decode step, which streams its weights once."""
+    buffer = read_buffer()
+    read = read_pass(buffer)
+    read()
+    return READ_BYTES / min(seconds(read) for _ in range(3))
 
 
 def fma_peak() -> float | None:

@@ -1,5 +1,6 @@
 """`slotserve bench latency`: load time, time to first token, single-request prefill and decode speed (and
-prefill's share of this machine's GEMM rate in the dtype it multiplies in), resident memory."""
+prefill's share of this machine's GEMM rate in the dtype it multiplies in, decode's of the rate its weight
+bytes allow at this machine's read rate), resident memory."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from slotserve.bench.bounds import attention_pair_flops, gemm_rate, linear_params, prefill_dtype
+from slotserve.bench.bounds import attention_pair_flops, gemm_rate, linear_params, prefill_dtype, read_rate
 from slotserve.bench.memory import peak_resident_bytes, resident_bytes, weight_bytes
 from slotserve.sampling_params import SamplingParams
 
@@ -57,6 +58,9 @@ def run_latency(make_llm: Callable[[argparse.Namespace], Any], args: argparse.Na
     dtype = prefill_dtype(model)
     rate = gemm_rate(dtype) if cpu else None
     prefill_rate = _prefill_flops(model, engine.model_config, args.input_len) / prefill_s
+    decode_rate, step_bytes = (args.output_len - 1) / decode_s, linear_params(model)[2]
+    peak = peak_resident_bytes() if cpu else None  # before read_rate's buffer
+    read = read_rate() if cpu else None
     return {
         "bench": "latency",
         "model": args.model,
@@ -73,10 +77,14 @@ def run_latency(make_llm: Callable[[argparse.Namespace], Any], args: argparse.Na
         "gemm_GFLOPs": round(rate / 1e9, 1) if rate else None,
         "prefill_fraction_of_gemm": round(prefill_rate / rate, 3) if rate else None,
         "output_len": args.output_len,
-        "decode_tokens_per_s": round((args.output_len - 1) / decode_s, 2),
-        "decode_ms_per_token": round(1000 * decode_s / (args.output_len - 1), 2),
+        "decode_tokens_per_s": round(decode_rate, 2),
+        "decode_ms_per_token": round(1000 / decode_rate, 2),
+        # The weights a batch-1 step streams, and this machine's read rate: what bounds decode.
+        "decode_weight_bytes_per_token": step_bytes,
+        "read_GBps": round(read / 1e9, 1) if read else None,
+        "decode_fraction_of_read_bound": round(decode_rate * step_bytes / read, 3) if read else None,
         "repeats": args.repeats,
         "weight_bytes": weight_bytes(model),
         "resident_bytes_before_load": runtime if cpu else None,
-        "peak_resident_bytes": peak_resident_bytes() if cpu else None,
+        "peak_resident_bytes": peak,
     }

@@ -14,45 +14,27 @@ Each limit is sampled in turns with the figure it bounds (`interleaved`), so bot
 from __future__ import annotations
 
 import argparse
-import ctypes
 import random
 import statistics
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from slotserve import host_memory
-from slotserve.bench.bounds import GEMM_FLOPS, attention_pair_flops, fma_peak, gemm_pass, linear_params
+from slotserve.bench.bounds import (
+    GEMM_FLOPS,
+    READ_BYTES,
+    attention_pair_flops,
+    fma_peak,
+    gemm_pass,
+    linear_params,
+    read_buffer,
+    read_pass,
+)
 from slotserve.bench.timing import median_seconds, seconds
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.model_runner import ScheduledSeq, Want
-from slotserve.kernels import native
 from slotserve.kv_cache.block_table import cache_indices
-
-READ_BYTES = 1 << 30
-READ_SOURCE = Path(native.__file__).with_name("memory_read.c")
-READ_ARGS = (ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p)  # slotserve_read_sum's
-
-
-def read_buffer(huge_pages: bool = True) -> torch.Tensor:
-    """READ_BYTES of float32 ones, far more than the caches hold: in huge pages (where the engine keeps its
-    weights) or in torch's own allocation (4 KB pages, unless the system gives every allocation huge ones)."""
-    if huge_pages and host_memory.enabled():
-        return host_memory.huge_page_bytes(READ_BYTES).view(torch.float32).fill_(1.0)
-    return torch.ones(READ_BYTES // 4)
-
-
-def read_pass(buffer: torch.Tensor) -> Callable[[], object]:
-    """One read of the buffer from DRAM, by plain vector loads on all of torch's threads
-    (kernels/memory_read.c); where the native kernels are not built, by torch's `sum`, which reads ~20 %
-    slower here (`memory_read_torch_sum_GBps`)."""
-    read = native.function(READ_SOURCE, "slotserve_read_sum", READ_ARGS)
-    if read is None:
-        return buffer.sum
-    sink = ctypes.c_float()
-    return lambda: read(buffer.data_ptr(), buffer.numel(), torch.get_num_threads(), ctypes.byref(sink))
 
 
 def interleaved(limit: Callable[[], object], work: Callable[[], object], repeats: int) -> tuple[float, float]:
