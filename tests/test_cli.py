@@ -168,7 +168,7 @@ def test_the_read_rate_pass_reads_every_float_once(threads):
 
     import torch
 
-    from slotserve.bench.dev.kernels import READ_ARGS, READ_SOURCE
+    from slotserve.bench.bounds import READ_ARGS, READ_SOURCE
     from slotserve.kernels import native
 
     read = native.function(READ_SOURCE, "slotserve_read_sum", READ_ARGS)
