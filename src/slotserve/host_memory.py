@@ -133,6 +133,8 @@ def release_pages(tensor: torch.Tensor, mappings: FileMappings) -> None:
 
 
 MADV_DONTNEED = 4
+COPY_CHUNK = 32 << 20  # bytes copied before their file pages are released: a large embedding is not resident twice
+_libc = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None
 
 
 def trim_heap() -> None:
@@ -142,9 +144,6 @@ def trim_heap() -> None:
     trim = getattr(_libc, "malloc_trim", None)
     if trim is not None:
         trim(0)
-
-COPY_CHUNK = 32 << 20  # bytes copied before their file pages are released: a large embedding is not resident twice
-_libc = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None
 
 
 @dataclass(frozen=True)
