@@ -87,26 +87,33 @@ def test_few_rows_are_as_close_to_float64_as_a_float32_gemm(no_amx, kind, n, k, 
 OTHER_BUILDS = {"avx2 vnni": ("-mno-avx512f",), "avx2": ("-mno-avx512f", "-mno-avxvnni"), "plain": ("-mno-avx2",)}
 
 
-@pytest.mark.parametrize("build", OTHER_BUILDS)
-@pytest.mark.parametrize("kind", FEW_ROW_WEIGHTS)
-def test_other_builds_give_the_same_bits(kind, build):
-    """The same integers and the same float operations lane by lane, whatever the vector width and products."""
+def assert_builds_agree(packed: PackedWeight, build: str, x: torch.Tensor, rows: range | tuple[int, ...]) -> None:
+    """The `build` of few_rows.c gives this machine's bits on `packed`, for each row count (skips where it does not
+    build here)."""
     gemm = native.function(packed_linear.FEW_ROWS_SOURCE, "slotserve_few_rows_gemm", packed_linear._GEMM_ARGS,
                            OTHER_BUILDS[build])
     if gemm is None:
         pytest.skip(f"no {build} build here")
     here = native.function(packed_linear.FEW_ROWS_SOURCE, "slotserve_few_rows_gemm", packed_linear._GEMM_ARGS)
+    bias = None if packed.bias is None else packed.bias.data_ptr()
+    for count in rows:
+        out, expected = torch.empty(count, packed.n), torch.empty(count, packed.n)
+        for f, y in ((gemm, out), (here, expected)):
+            assert f(x.data_ptr(), ctypes.byref(packed.packing), bias, y.data_ptr(), count, packed.n, packed.k, 2) == 0
+        assert torch.equal(out, expected), count
+
+
+@pytest.mark.parametrize("build", OTHER_BUILDS)
+@pytest.mark.parametrize("kind", FEW_ROW_WEIGHTS)
+def test_other_builds_give_the_same_bits(kind, build):
+    """The same integers and the same float operations lane by lane, whatever the vector width and products."""
     n, k = 1000, 896  # pairs of weight tiles and a last, partial one
     w = FEW_ROW_WEIGHTS[kind](n, k)
     packed = PackedWeight.pack(w, torch.randn(n))
     compact = PackedWeight.of(packed_linear.pack_narrow(w), packed.bias)  # 4 and 5 bits a value: q4_k, q5_0
     x = torch.randn(2 * FEW_ROWS + 1, k)
     for p in (packed, compact):
-        for rows in range(1, 2 * FEW_ROWS + 2):  # groups of FEW_ROWS and a last, partial one
-            out, expected = torch.empty(rows, n), torch.empty(rows, n)
-            for f, y in ((gemm, out), (here, expected)):
-                assert f(x.data_ptr(), ctypes.byref(p.packing), p.bias.data_ptr(), y.data_ptr(), rows, n, k, 2) == 0
-            assert torch.equal(out, expected)
+        assert_builds_agree(p, build, x, range(1, 2 * FEW_ROWS + 2))  # groups of FEW_ROWS and a last, partial one
 
 
 def test_without_amx_the_fused_step_has_the_layer_paths_bits(no_amx, tmp_path):

@@ -245,27 +245,29 @@ def _k_quant(n: int, k: int, levels: int, offsets: bool, seed: int = 0) -> torch
 
 
 # GGUF-like weights: the bits and zero pack_narrow keeps them in (the fewest that hold every block's values),
-# and whether their scales (and offsets) are float16 codes under factors: where the blocks share factors.
-COMPACT = {"q4_0": (lambda n, k: _signed(_block_scaled(n, k, 8)), 4, 8, (True, None)),
-           "q5_0": (lambda n, k: _signed(_block_scaled(n, k, 16)), 5, 16, (True, None)),
-           "q4_k": (lambda n, k: _k_quant(n, k, 16, True), 4, 0, (True, False)),
-           "q4_k, scales of their own": (_q4_k, 4, 0, (False, False)),
-           "q8_0": (lambda n, k: _block_scaled(n, k, 128), 8, 128, (True, None)),
-           "q6_k": (lambda n, k: _k_quant(n, k, 64, False), 8, 128, (True, None))}
+# and their scales' (and offsets') dtypes: float16 or int8 codes under factors where the blocks share factors.
+F16, I8, F32 = torch.float16, torch.int8, torch.float32
+COMPACT = {"q4_0": (lambda n, k: _signed(_block_scaled(n, k, 8)), 4, 8, (F16, None)),
+           "q5_0": (lambda n, k: _signed(_block_scaled(n, k, 16)), 5, 16, (F16, None)),
+           "q4_k": (lambda n, k: _k_quant(n, k, 16, True), 4, 0, (I8, F32)),
+           "q4_k, scales of their own": (_q4_k, 4, 0, (F32, F32)),
+           "q8_0": (lambda n, k: _block_scaled(n, k, 128), 8, 128, (F16, None)),
+           "q6_k": (lambda n, k: _k_quant(n, k, 64, False), 6, 32, (F16, None)),
+           "7-bit values": (lambda n, k: _block_scaled(n, k, 64), 8, 128, (F16, None))}
 
 
 @pytest.mark.parametrize("kind", COMPACT)
 def test_integer_blocks_pack_in_their_smallest_form_with_the_bytes_bits(kind):
-    """A checkpoint's packing (pack_narrow) keeps 4, 5 or 8 bits a value (a block negated, scale and values,
-    where its values fit so), and float16 scales under factors where they fit: read back exactly, and every
-    kernel gives the bits of the 8-bit float32-scaled packing."""
+    """A checkpoint's packing (pack_narrow) keeps 4, 5, 6 or 8 bits a value (a block negated, scale and values,
+    where its values fit so), and float16 or int8 scale codes under factors where they fit: read back exactly, and every
+    kernel gives the bits of the 8-bit float32-scaled packing. (Fitted Q6_K-like blocks keep float16 codes: a half
+    block of even values moves a factor of 2 into its scale; a GGUF's are read from its bytes, gguf_blocks.py.)"""
     make, bits, zero, grouped = COMPACT[kind]
     n, k = 1000, 1024
     w = make(n, k)
     tensor = packed_linear.pack_narrow(w)
     assert (tensor.bits, tensor.zero) == (bits, zero)
-    assert (tensor.scales.factors is not None, None if tensor.offsets is None else tensor.offsets.factors is not None
-            ) == grouped
+    assert (tensor.scales.codes.dtype, None if tensor.offsets is None else tensor.offsets.codes.dtype) == grouped
     compact = PackedWeight.of(tensor, torch.randn(n))
     full = PackedWeight.of(PackedWeight.pack(w).tensor(), compact.bias)
     assert torch.equal(compact.dequantize(), w) and torch.equal(PackedWeight.of(tensor.in_bytes()).dequantize(), w)
@@ -277,11 +279,12 @@ def test_integer_blocks_pack_in_their_smallest_form_with_the_bytes_bits(kind):
 
 
 def test_the_compact_bytes_are_where_the_layout_puts_them():
-    """packed_linear.h's 4- and 5-bit layouts, built in torch from the 8-bit one: k-quads 2i and 2i + 1 of a
-    line in one byte's low and high nibbles, then a value's fifth bit at its 8-bit byte's place."""
+    """packed_linear.h's 4-, 5- and 6-bit layouts, built in torch from the 8-bit one: k-quads 2i and 2i + 1 of a
+    line in one byte's low and high nibbles, then a plane of each value's fifth bit at its 8-bit byte's place,
+    then one of its sixth bits."""
     n, k = 40, 64
     g = torch.Generator().manual_seed(6)
-    for levels, bits in ((8, 4), (16, 5)):
+    for levels, bits in ((8, 4), (16, 5), (32, 6)):
         w = torch.randint(-levels, levels, (n, k), generator=g).float()
         w[:, ::16] = 1.0  # every scale 1
         tensor = packed_linear.pack_narrow(w)
@@ -292,10 +295,11 @@ def test_the_compact_bytes_are_where_the_layout_puts_them():
         lines = lines.reshape(2, k // BLOCK, 2, 4, 2, 64)  # [pair][block][tile][k-quad pair][parity][line]
         nibbles = (lines[..., 0, :] % 16 + lines[..., 1, :] % 16 * 16).reshape(2, k // BLOCK, -1)
         assert torch.equal(tensor.values[..., :TILE * BLOCK], nibbles)
-        if bits == 5:
-            fifth = (lines.reshape(2, k // BLOCK, -1) >= 16).to(torch.uint8)
-            planes = (fifth.view(2, k // BLOCK, -1, 8) * 2 ** torch.arange(8, dtype=torch.uint8)).sum(-1)
-            assert torch.equal(tensor.values[..., TILE * BLOCK:], planes.to(torch.uint8))
+        for bit in range(4, bits):
+            set_bits = (lines.reshape(2, k // BLOCK, -1) >> bit & 1).to(torch.uint8)
+            plane = (set_bits.view(2, k // BLOCK, -1, 8) * 2 ** torch.arange(8, dtype=torch.uint8)).sum(-1)
+            at = TILE * BLOCK + (bit - 4) * TILE * BLOCK // 4
+            assert torch.equal(tensor.values[..., at:at + TILE * BLOCK // 4], plane.to(torch.uint8))
 
 
 def test_compact_parts_stack_and_pad_in_a_form_that_holds_them_all():
@@ -303,8 +307,8 @@ def test_compact_parts_stack_and_pad_in_a_form_that_holds_them_all():
     padding rows are zeros in any form."""
     q4, q5, q4_k = (packed_linear.pack_narrow(make(64, 256)) for make, *_ in
                     (COMPACT["q4_0"], COMPACT["q5_0"], COMPACT["q4_k"]))
-    for parts, bits in (([q4, q4], 4), ([q4, q5], 5), ([q4_k, q4], 5), ([q5, packed_linear.pack_narrow(
-            _block_scaled(64, 256, 128))], 8)):
+    q6_k, q8 = (packed_linear.pack_narrow(make(64, 256)) for make in (COMPACT["q6_k"][0], COMPACT["q8_0"][0]))
+    for parts, bits in (([q4, q4], 4), ([q4, q5], 5), ([q4_k, q4], 5), ([q4_k, q6_k], 6), ([q5, q8], 8)):
         stacked = PackedTensor.cat(parts).padded(200)
         assert stacked.bits == bits and stacked.n == 200
         rows = PackedWeight.of(stacked).dequantize()

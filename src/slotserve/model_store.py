@@ -19,7 +19,7 @@ from slotserve.models.gguf import convert_gguf, remove_stale_partials
 logger = logging.getLogger(__name__)
 
 # Bump when convert_gguf's output changes, so old conversions in the cache are not reused.
-CONVERTER_VERSION = 4
+CONVERTER_VERSION = 5
 _CHUNK = 8 << 20
 
 

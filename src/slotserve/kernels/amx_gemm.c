@@ -156,9 +156,8 @@ static void pair_rows(const uint16_t *parts, const float *xsums, const slotserve
         for (int t = 0; t < 2; t++) {
             __m512 scale[GROUP], offset[GROUP];
             for (int g = 0; g < group; g++) {
-                scale[g] = (__m512)block_scales(w->scales, w->scale_factors, p, blocks, g0 + g, 1, 0, t * TILE);
-                offset[g] = w->offsets ? (__m512)block_scales(w->offsets, w->offset_factors, p, blocks, g0 + g, 1, 0,
-                                                              t * TILE)
+                scale[g] = (__m512)weight_scales(w, p, blocks, g0 + g, 1, 0, t * TILE);
+                offset[g] = w->offsets ? (__m512)weight_offsets(w, p, blocks, g0 + g, 1, 0, t * TILE)
                                        : _mm512_setzero_ps();
             }
             for (int m = 0; m < rows; m++) {

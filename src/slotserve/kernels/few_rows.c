@@ -267,7 +267,7 @@ static inline __attribute__((always_inline)) void few_rows(const split_x *xs, co
                 }
                 for (int v = 0; v < at_once; v++) {
                     const int col = (v0 + v) / OUT_VECTORS * TILE + (v0 + v) % OUT_VECTORS * VW; /* in the pair */
-                    const vf scale = block_scales(w->scales, w->scale_factors, p, blocks, b, segments, seg, col);
+                    const vf scale = weight_scales(w, p, blocks, b, segments, seg, col);
                     for (int m = 0; m < rows; m++) {
                         const int32_t *bias_of = xs[m].bias + 2 * (3 * b + part); /* zero * the sums of hi, lo */
 #if BYTE_DIGITS
@@ -281,8 +281,7 @@ static inline __attribute__((always_inline)) void few_rows(const split_x *xs, co
                                            __builtin_convertvector(l, vf));
                         if (w->offsets) {
                             const vf sum_x = splat(xs[m].sums[3 * b + part]);
-                            const vf offset = block_scales(w->offsets, w->offset_factors, p, blocks, b, segments, seg,
-                                                           col);
+                            const vf offset = weight_offsets(w, p, blocks, b, segments, seg, col);
                             const vf r = fmadd(s, scale, offset * sum_x);
                             group[m][v] = fmadd(r, splat(xs[m].unit[b]), group[m][v]);
                         } else {
@@ -344,13 +343,13 @@ static long take_pair(pair_run *run, int back) {
    More than FEW rows go through each pair FEW at a time, the pair's weights found in L2 after the first: the
    bits of a row are the same in a call of any size. Returns 0; -1 without memory for the split rows; -2 for a
    packing that is not narrow (the caller's other paths take those). */
-/* The switch's cases for `rows` rows: without halves, then with, each in 8, 5 and 4 bits a value. */
+/* The switch's cases for `rows` rows: without halves, then with, each in 8, 6, 5 and 4 bits a value. */
 #define FEW_CASE(rows, segments, bits, at) \
     case at: few_rows(x0, w, bias, o0, N, K, p, rows, segments, bits); break;
-#define FEW_CASES(rows) \
-    FEW_CASE(rows, 1, 8, (rows - 1) * 6) FEW_CASE(rows, 1, 5, (rows - 1) * 6 + 1) \
-    FEW_CASE(rows, 1, 4, (rows - 1) * 6 + 2) FEW_CASE(rows, 2, 8, (rows - 1) * 6 + 3) \
-    FEW_CASE(rows, 2, 5, (rows - 1) * 6 + 4) FEW_CASE(rows, 2, 4, (rows - 1) * 6 + 5)
+#define FEW_SEGMENTS(rows, segments, at) \
+    FEW_CASE(rows, segments, 8, at) FEW_CASE(rows, segments, 6, at + 1) FEW_CASE(rows, segments, 5, at + 2) \
+    FEW_CASE(rows, segments, 4, at + 3)
+#define FEW_CASES(rows) FEW_SEGMENTS(rows, 1, (rows - 1) * 8) FEW_SEGMENTS(rows, 2, (rows - 1) * 8 + 4)
 
 int slotserve_few_rows_gemm(const float *x, const slotserve_packed_weight *w, const float *bias, float *out, long M,
                             long N, long K, int threads) {
@@ -397,7 +396,7 @@ int slotserve_few_rows_gemm(const float *x, const slotserve_packed_weight *w, co
                     const split_x *x0 = xs + m0;
                     float *o0 = out + m0 * N;
                     const int rows = M - m0 < FEW ? (int)(M - m0) : FEW;
-                    switch (((rows - 1) * 2 + w->halves) * 3 + (w->bits == 8 ? 0 : w->bits == 5 ? 1 : 2)) {
+                    switch (((rows - 1) * 2 + w->halves) * 4 + (w->bits == 8 ? 0 : 7 - w->bits)) {
                         FEW_CASES(1) FEW_CASES(2) FEW_CASES(3) FEW_CASES(4) /* constant counts: registers */
                     }
                 }

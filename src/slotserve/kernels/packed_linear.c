@@ -274,7 +274,9 @@ static int narrow_value(const slotserve_packed_weight *w, long blocks, long n, l
     if (w->bits == 8)
         return chunk[at];
     const int nibble = chunk[t * TILE * BLOCK / 2 + (kq / 2 * TILE + col) * 4 + k % 4] >> (kq % 2 * 4) & 15;
-    return w->bits == 5 ? nibble | (chunk[TILE * BLOCK + at / 8] >> (at % 8) & 1) << 4 : nibble;
+    const uint8_t *plane = chunk + TILE * BLOCK;
+    const int fifth = w->bits >= 5 ? (plane[at / 8] >> (at % 8) & 1) << 4 : 0;
+    return nibble | fifth | (w->bits == 6 ? (plane[2 * TILE * BLOCK / 8 + at / 8] >> (at % 8) & 1) << 5 : 0);
 }
 
 /* out[i][k] = the weight's row ids[i], column k, as float32: the rows an embedding looks up. Narrow packings
@@ -290,9 +292,10 @@ int slotserve_unpack_rows(const slotserve_packed_weight *w, long K, const long *
             for (int h = 0; h < (w->halves ? 2 : 1); h++) {
                 const long p = ids[i] / PAIR, segments = w->halves ? 2 : 1;
                 const int col = (int)(ids[i] % PAIR);
-                const float scale = block_scale(w->scales, w->scale_factors, p, blocks, b, segments, h, col);
-                const float offset = w->offsets ? block_scale(w->offsets, w->offset_factors, p, blocks, b, segments, h,
-                                                              col)
+                const float scale = block_scale(w->scales, w->scale_factors, w->scale_code_bytes, p, blocks, b,
+                                                segments, h, col);
+                const float offset = w->offsets ? block_scale(w->offsets, w->offset_factors, w->offset_code_bytes, p,
+                                                              blocks, b, segments, h, col)
                                                 : 0.0f;
                 const int len = w->halves ? BLOCK / 2 : BLOCK;
                 for (int k = h * len; k < (h + 1) * len; k++)
@@ -331,9 +334,8 @@ int slotserve_unpack_panel(const slotserve_packed_weight *w, long K, long first,
                     const long column = (p - first) * PAIR + row;
                     for (int kq = 0; kq < BLOCK / 4; kq++) {
                         const int seg = segments == 2 ? kq / 4 : 0;
-                        const vf scale = block_scales(w->scales, w->scale_factors, p, blocks, b, segments, seg, row);
-                        const vf offset = w->offsets ? block_scales(w->offsets, w->offset_factors, p, blocks, b,
-                                                                    segments, seg, row)
+                        const vf scale = weight_scales(w, p, blocks, b, segments, seg, row);
+                        const vf offset = w->offsets ? weight_offsets(w, p, blocks, b, segments, seg, row)
                                                      : splat(0.0f);
                         const vi quads = quad_line(chunk, w->bits, t, kq, half); /* a lane: a row's 4 values */
                         for (int j = 0; j < 4; j++) {

@@ -12,8 +12,9 @@
    A narrow packing keeps `bits` a value (its values' range decides): 8, each value plus `zero` (128) a byte, as
    above, 1024 bytes a pair's block; or 4, each value plus `zero` a nibble, two k-quads' lines in one (k-quad 2i
    in the low nibbles, 2i + 1 in the high ones), 512 bytes; or 5, those nibbles and then each value's fifth bit,
-   a bit a value in the byte order of the 8-bit layout (bit i of the plane: byte i), 640 bytes. quad_line reads
-   any of them back as the 8-bit layout's line. */
+   a bit a value in the byte order of the 8-bit layout (bit i of the plane: byte i), 640 bytes; or 6, those
+   nibbles, the fifth bits' plane and then the sixth bits' one, 768 bytes (GGUF's Q6_K). quad_line reads any of
+   them back as the 8-bit layout's line. */
 
 #ifndef SLOTSERVE_PACKED_LINEAR_H
 #define SLOTSERVE_PACKED_LINEAR_H
@@ -37,11 +38,12 @@ typedef struct {
     /* The rows it takes (the caller's choice, kept here): a narrow packing's 1..max_rows, on AMX from min_rows
        on (few_rows.c below); a bfloat16 packing's min_rows..max_rows on AMX. The float32 path takes the rest. */
     long min_rows, max_rows;
-    int bits; /* a narrow packing's bits a value: 8, 5 or 4 (above) */
+    int bits; /* a narrow packing's bits a value: 8, 6, 5 or 4 (above) */
     int zero; /* a narrow value v is kept as v + zero */
-    /* Where not NULL, scales (offsets) are float16 codes, and each is its code times the factor of its row and
-       its group of SCALE_GROUP blocks: [pair][group][PAIR], float32. */
+    /* Where not NULL, scales (offsets) are float16 codes (int8 ones where their code_bytes are 1), and each is its
+       code times the factor of its row and its group of SCALE_GROUP blocks: [pair][group][PAIR], float32. */
     const float *scale_factors, *offset_factors;
+    int scale_code_bytes, offset_code_bytes;
 } slotserve_packed_weight;
 
 #define SCALE_GROUP 8 /* blocks under one factor: a GGUF K-quant's super-block of 256 */
@@ -63,32 +65,60 @@ static inline __attribute__((always_inline)) vf halves_to_floats(const uint16_t 
 #endif
 }
 
-/* The VW scales (or offsets, with theirs factors) of pair p's block b, segment seg, from row col of the pair
-   on: float32 ones, or their codes times their factors (an exact product: the packing checked it). */
-static inline __attribute__((always_inline)) vf block_scales(const void *scales, const float *factors, long p,
-                                                             long blocks, long b, int segments, int seg, int col) {
+/* VW int8 values at p as floats. */
+static inline __attribute__((always_inline)) vf bytes_to_floats(const int8_t *p) {
+#if VW == 16
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    vf v;
+    for (int i = 0; i < VW; i++) v[i] = (float)p[i];
+    return v;
+#endif
+}
+
+/* The VW scales (or offsets, with their factors and code bytes) of pair p's block b, segment seg, from row col of
+   the pair on: float32 ones, or their codes times their factors (an exact product: the packing checked it). */
+static inline __attribute__((always_inline)) vf block_scales(const void *scales, const float *factors, int code_bytes,
+                                                             long p, long blocks, long b, int segments, int seg,
+                                                             int col) {
     const long at = ((p * blocks + b) * segments + seg) * PAIR + col;
     if (!factors)
         return load((const float *)scales + at);
     const long groups = (blocks + SCALE_GROUP - 1) / SCALE_GROUP;
-    return halves_to_floats((const uint16_t *)scales + at) * load(factors + (p * groups + b / SCALE_GROUP) * PAIR + col);
+    const vf codes = code_bytes == 1 ? bytes_to_floats((const int8_t *)scales + at)
+                                     : halves_to_floats((const uint16_t *)scales + at);
+    return codes * load(factors + (p * groups + b / SCALE_GROUP) * PAIR + col);
+}
+
+/* A packed weight's scales (offsets) as block_scales gives them. */
+static inline __attribute__((always_inline)) vf weight_scales(const slotserve_packed_weight *w, long p,
+                                                              long blocks, long b, int segments, int seg, int col) {
+    return block_scales(w->scales, w->scale_factors, w->scale_code_bytes, p, blocks, b, segments, seg, col);
+}
+
+static inline __attribute__((always_inline)) vf weight_offsets(const slotserve_packed_weight *w, long p,
+                                                               long blocks, long b, int segments, int seg, int col) {
+    return block_scales(w->offsets, w->offset_factors, w->offset_code_bytes, p, blocks, b, segments, seg, col);
 }
 
 /* One of those scales. */
-static inline float block_scale(const void *scales, const float *factors, long p, long blocks, long b, int segments,
-                                int seg, int col) {
+static inline float block_scale(const void *scales, const float *factors, int code_bytes, long p, long blocks, long b,
+                                int segments, int seg, int col) {
     const long at = ((p * blocks + b) * segments + seg) * PAIR + col;
     if (!factors)
         return ((const float *)scales)[at];
     const long groups = (blocks + SCALE_GROUP - 1) / SCALE_GROUP;
     _Float16 h;
     memcpy(&h, (const uint16_t *)scales + at, sizeof h);
-    return (float)h * factors[(p * groups + b / SCALE_GROUP) * PAIR + col];
+    const float code = code_bytes == 1 ? (float)((const int8_t *)scales)[at] : (float)h;
+    return code * factors[(p * groups + b / SCALE_GROUP) * PAIR + col];
 }
 
 /* Bytes of a pair's block of narrow values, `bits` a value. */
 static inline long chunk_bytes(int bits) {
-    return bits == 8 ? 2 * TILE * BLOCK : bits == 4 ? TILE * BLOCK : TILE * BLOCK + 2 * TILE * BLOCK / 8;
+    return bits == 8 ? 2 * TILE * BLOCK : TILE * BLOCK + (bits - 4) * (2 * TILE * BLOCK / 8); /* a plane a bit past 4 */
 }
 
 /* 4 * VW bits at p, each as a byte of 0x10 (set) or 0 (clear), bit i as byte i. */
@@ -124,7 +154,11 @@ static inline __attribute__((always_inline)) vi quad_line(const uint8_t *chunk, 
     }
     memcpy(&u, chunk + t * TILE * BLOCK / 2 + (kq / 2 * TILE + o * VW) * 4, sizeof u);
     u = (kq % 2 ? u >> 4 : u) & 0x0f0f0f0f;
-    return bits == 5 ? u | fifth_bits(chunk + TILE * BLOCK + (t * BLOCK / 4 + kq) * 8 + o * VW / 2) : u;
+    if (bits == 4)
+        return u;
+    const uint8_t *plane = chunk + TILE * BLOCK + (t * BLOCK / 4 + kq) * 8 + o * VW / 2;
+    u |= fifth_bits(plane);
+    return bits == 6 ? u | fifth_bits(plane + 2 * TILE * BLOCK / 8) << 1 : u;
 }
 
 #endif

@@ -68,7 +68,8 @@ class Packing(ctypes.Structure):
     _fields_ = [("values", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
                 ("narrow", ctypes.c_int), ("halves", ctypes.c_int), ("min_rows", ctypes.c_long),
                 ("max_rows", ctypes.c_long), ("bits", ctypes.c_int), ("zero", ctypes.c_int),
-                ("scale_factors", ctypes.c_void_p), ("offset_factors", ctypes.c_void_p)]
+                ("scale_factors", ctypes.c_void_p), ("offset_factors", ctypes.c_void_p),
+                ("scale_code_bytes", ctypes.c_int), ("offset_code_bytes", ctypes.c_int)]
 
 
 @functools.cache
@@ -177,7 +178,8 @@ class PackedWeight:
         self.max_rows = ALL_ROWS if self.narrow or amx else 0
         self.packing = Packing(values.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
                                self.narrow, halves, self.min_rows, self.max_rows, self.bits, zero,
-                               *(None if t is None else t.data_ptr() for t in (scale_factors, offset_factors)))
+                               *(None if t is None else t.data_ptr() for t in (scale_factors, offset_factors)),
+                               *(0 if t is None else t.element_size() for t in (scales, offsets)))
         self.panel_dtype = panel_dtype()  # the engine's PrefillPrecision sets it (models/packing.py)
         self._few_rows = native.function(FEW_ROWS_SOURCE, "slotserve_few_rows_gemm", _GEMM_ARGS)
         self._amx = native.function(AMX_SOURCE, "slotserve_amx_gemm", _GEMM_ARGS) if amx_available() else None

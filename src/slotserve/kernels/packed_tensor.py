@@ -1,6 +1,6 @@
-"""A narrow packing as a checkpoint stores it (packed_linear.h's layouts), and its compact forms: values in 4, 5
-or 8 bits (`PackedTensor.compact`), scales as float16 codes under a float32 factor per row and group of blocks
-(`Scales.grouped`), each exact: the kernels read any of them back to the same weights, so the same bits."""
+"""A narrow packing as a checkpoint stores it (packed_linear.h's layouts), and its compact forms: values in 4, 5,
+6 or 8 bits (`PackedTensor.compact`), scales as float16 or int8 codes under a float32 factor per row and group of
+blocks (`Scales.grouped`), each exact: the kernels read any of them back to the same weights, so the same bits."""
 
 from __future__ import annotations
 
@@ -11,30 +11,32 @@ import torch
 
 BLOCK, PAIR, TILE = 32, 32, 16  # k per scale; weight rows per packed pair of tiles, per tile (packed_linear.h's)
 SCALE_GROUP = 8  # blocks under one scale factor (packed_linear.h's): a GGUF K-quant's super-block
-CHUNK_BITS = {2 * TILE * BLOCK: 8, TILE * BLOCK + 2 * TILE * BLOCK // 8: 5, TILE * BLOCK: 4}  # a pair's block's bytes
+PLANE = 2 * TILE * BLOCK // 8  # bytes of a bit plane: one bit of each of a pair's block's values
+# A pair's block's bits a value, by its bytes: nibbles, and a plane for each bit past 4.
+CHUNK_BITS = {2 * TILE * BLOCK: 8} | {TILE * BLOCK + (bits - 4) * PLANE: bits for bits in (4, 5, 6)}
 BYTE_ZERO = 128  # what an 8-bit packing adds to its values
 CODE_TOP = 15  # a group's largest code is in [2^(CODE_TOP - 1), 2^CODE_TOP): float16 reaches 65504
 _ENCODE_PAIRS = 4096  # pairs re-encoded at a time: the intermediates stay ~100 MB whatever the tensor
 
 
-def _nibbles(u: torch.Tensor, bits: int) -> torch.Tensor:
+def _in_bits(u: torch.Tensor, bits: int) -> torch.Tensor:
     """Values in the 8-bit layout (u = v + zero, uint8 [..., 2 * TILE * BLOCK]) in packed_linear.h's `bits` one."""
     lines = u.view(*u.shape[:-1], 2, BLOCK // 8, 2, 4 * TILE)  # [tile][k-quad pair][k-quad parity][line]
     nibbles = ((lines[..., 0, :] & 15) | (lines[..., 1, :] << 4)).reshape(*u.shape[:-1], TILE * BLOCK)
-    if bits == 4:
-        return nibbles
-    fifth = (u >> 4 & 1).view(*u.shape[:-1], -1, 8) << torch.arange(8, dtype=torch.uint8)
-    return torch.cat([nibbles, fifth.sum(-1, dtype=torch.uint8)], dim=-1)
+    places = torch.arange(8, dtype=torch.uint8)
+    planes = [((u >> b & 1).view(*u.shape[:-1], -1, 8) << places).sum(-1, dtype=torch.uint8) for b in range(4, bits)]
+    return torch.cat([nibbles, *planes], dim=-1)
 
 
 def _bytes(chunks: torch.Tensor) -> torch.Tensor:
-    """_nibbles undone: a compact layout's chunks in the 8-bit layout (u = v + zero, uint8)."""
+    """_in_bits undone: a compact layout's chunks in the 8-bit layout (u = v + zero, uint8)."""
     lead, bits = chunks.shape[:-1], CHUNK_BITS[chunks.shape[-1]]
     nibbles = chunks[..., :TILE * BLOCK].reshape(*lead, 2, BLOCK // 8, 1, 4 * TILE)
     u = torch.cat([nibbles & 15, nibbles >> 4], dim=-2).reshape(*lead, 2 * TILE * BLOCK)
-    if bits == 5:
-        plane = chunks[..., TILE * BLOCK:].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8) & 1
-        u |= plane.reshape(u.shape) << 4
+    for bit in range(4, bits):
+        at = TILE * BLOCK + (bit - 4) * PLANE
+        plane = chunks[..., at:at + PLANE].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8) & 1
+        u |= plane.reshape(u.shape) << bit
     return u
 
 
@@ -57,11 +59,28 @@ def _segment_range(run: torch.Tensor, segments: int) -> tuple[torch.Tensor, torc
     return low, high
 
 
+def _in_bytes(codes: torch.Tensor, factors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float16 codes [pairs, groups, codes, PAIR] under factors as int8 ones, where every group's are integers
+    that share a power of two leaving each within int8 (a K-quant's 6- or 8-bit block scales), the power (and a
+    sign, where the codes reach 128) moved into the factors; else as they are."""
+    c = codes.double()
+    if not torch.equal(c, c.round()) or c.abs().max() >= 2**CODE_TOP:
+        return codes, factors
+    ints = c.long()
+    low = torch.where(ints == 0, 1 << CODE_TOP, ints & -ints)  # each code's lowest set bit
+    shift = low.amin(2).double().log2().round().long().clamp(max=CODE_TOP)  # the group's shared power of two
+    sign = torch.where(ints.amax(2) >> shift > 127, -1, 1)  # Q6_K's d is negative where its codes reach -128
+    small = (ints >> shift[:, :, None]) * sign[:, :, None]
+    if small.min() < -128 or small.max() > 127:
+        return codes, factors
+    return small.to(torch.int8), factors * torch.ldexp(sign.float(), shift.to(torch.int32))
+
+
 @dataclass(frozen=True)
 class Scales:
     """A packing's scales (or offsets), one per row and block (or half block): `codes` float32 [pairs, blocks,
     halves, PAIR]; or, where `factors` [pairs, groups, PAIR] (float32, a group SCALE_GROUP blocks) is there,
-    float16 codes, each scale exactly its code times its row's and group's factor."""
+    float16 or int8 codes, each scale exactly its code times its row's and group's factor."""
 
     codes: torch.Tensor
     factors: torch.Tensor | None = None
@@ -79,8 +98,9 @@ class Scales:
 
     def grouped(self) -> Scales:
         """The same scales as float16 codes under factors, where every group's have that form exactly (a GGUF's:
-        a float16 times a small integer, and a power of two), else as they are. A group's factor is its scales'
-        greatest common odd divisor times the power of two that puts its largest code under 2^CODE_TOP."""
+        a float16 times a small integer, and a power of two), else as they are; as int8 codes where those fit. A
+        group's factor is its scales' greatest common odd divisor times the power of two that puts its largest
+        code under 2^CODE_TOP (int8: its codes' greatest common power of two, times that)."""
         if self.factors is not None:
             return self
         pairs, blocks, halves, _ = self.codes.shape
@@ -101,6 +121,7 @@ class Scales:
         power = torch.ldexp(torch.ones_like(quotients[:, :, 0]), top - CODE_TOP)
         factors = (divisor.clamp(min=1).double() * power).float()
         codes = (quotients / power[:, :, None]).half()
+        codes, factors = _in_bytes(codes, factors)
         if not torch.equal(codes.float() * factors[:, :, None], s):  # the kernels' product, exactly the scale
             return self
         return Scales(codes.view(pairs, groups * SCALE_GROUP, halves, PAIR)[:, :blocks].contiguous(), factors)
@@ -137,7 +158,7 @@ class Scales:
 @dataclass(frozen=True)
 class PackedTensor:
     """A narrow packing's buffers as a checkpoint stores them (packed_linear.h's layouts), of an [n, k] weight:
-    `values` uint8 [pairs, blocks, bytes] (2 * TILE * BLOCK bytes: 8 bits a value; fewer: 5 or 4, CHUNK_BITS),
+    `values` uint8 [pairs, blocks, bytes] (2 * TILE * BLOCK bytes: 8 bits a value; fewer: 6, 5 or 4, CHUNK_BITS),
     each value kept plus `zero`; `scales` and `offsets` (None: no offsets), one per half block where halves."""
 
     values: torch.Tensor
@@ -170,13 +191,33 @@ class PackedTensor:
         return cls(buffers["values"], Scales(buffers["scales"], buffers.get("scale_factors")),
                    None if offsets is None else Scales(offsets, buffers.get("offset_factors")), n, k, zero)
 
+    @classmethod
+    def of_integers(cls, values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None) -> PackedTensor:
+        """The weight whose row i, block (or half block) b is scales[i, b] * v (+ offsets[i, b]), given v +
+        BYTE_ZERO (`values`, uint8 [n, k]), in the 8-bit layout (`compact` narrows it); rows past n as `padded`'s."""
+        n, k = values.shape
+        pairs, blocks = -(-n // PAIR), k // BLOCK
+        extra, segments = pairs * PAIR - n, scales.shape[1] // blocks
+
+        def per_block(t: torch.Tensor, fill: float) -> Scales:
+            t = torch.cat([t.float(), t.new_full((extra, t.shape[1]), fill, dtype=torch.float32)])
+            return Scales(t.view(pairs, PAIR, blocks, segments).permute(0, 2, 3, 1).contiguous())
+
+        def layout(run: torch.Tensor) -> torch.Tensor:  # [pairs, PAIR, k] to [pair][block][tile][k-quad][row][4]
+            lines = run.view(len(run), 2, TILE, blocks, BLOCK // 4, 4).permute(0, 3, 1, 4, 2, 5)
+            return lines.reshape(len(run), blocks, 2 * TILE * BLOCK)
+
+        rows = torch.cat([values, values.new_full((extra, k), BYTE_ZERO)]).view(pairs, PAIR, k)
+        return cls(_in_runs(rows, layout), per_block(scales, 1.0), None if offsets is None else per_block(offsets, 0.0),
+                   n, k)
+
     def _with(self, values: torch.Tensor, scales: Scales, offsets: Scales | None, n: int | None = None,
               k: int | None = None, zero: int | None = None) -> PackedTensor:
         return PackedTensor(values, scales, offsets, self.n if n is None else n, self.k if k is None else k,
                             self.zero if zero is None else zero)
 
     def compact(self) -> PackedTensor:
-        """The same weight in its smallest exact form: scales grouped, and values in the fewest bits (4, 5 or 8)
+        """The same weight in its smallest exact form: scales grouped, and values in the fewest bits (4, 5, 6 or 8)
         that hold each block's values, or their negation (its scale negated too: the same products and sums,
         negated twice; GGUF's Q5_0 scales have either sign), and a padding row's 0 within one window
         [-zero, 2^bits - 1 - zero]."""
@@ -193,7 +234,7 @@ class PackedTensor:
 
     def _fewest_bits(self, low: torch.Tensor, high: torch.Tensor) -> PackedTensor:
         """compact's values, given each block's (or half block's) least and largest value."""
-        for bits in (4, 5):
+        for bits in (4, 5, 6):
             span = 2**bits - 1
             for start in dict.fromkeys((min(int(low.min()), 0), -(span + 1) // 2, 0)):
                 flip = ~((low >= start) & (high <= start + span))
@@ -210,7 +251,7 @@ class PackedTensor:
             v = run.view(*run.shape[:2], 2, segments, -1, TILE, 4).to(torch.int16) - BYTE_ZERO
             signs = sign[i:i + len(run)]
             per_value = signs.view(*signs.shape[:3], 2, TILE).permute(0, 1, 3, 2, 4)[..., None, :, None]
-            return _nibbles((v * per_value + zero).to(torch.uint8).view(*run.shape), bits)
+            return _in_bits((v * per_value + zero).to(torch.uint8).view(*run.shape), bits)
 
         values = torch.cat([encode(i, run) for i, run in _runs(self.values)])
         return self._with(values, Scales(self.scales.floats() * sign), self.offsets, zero=zero)
@@ -254,7 +295,7 @@ class PackedTensor:
         if extra <= 0:
             return self._with(self.values, self.scales, self.offsets, n=max(n, self.n))
         zeros = torch.full((extra, self.values.shape[1], 2 * TILE * BLOCK), self.zero, dtype=torch.uint8)
-        values = torch.cat([self.values, zeros if self.bits == 8 else _nibbles(zeros, self.bits)])
+        values = torch.cat([self.values, zeros if self.bits == 8 else _in_bits(zeros, self.bits)])
         return self._with(values, self.scales.padded(extra, 1.0),
                           None if self.offsets is None else self.offsets.padded(extra, 0.0), n=n)
 

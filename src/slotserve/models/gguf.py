@@ -29,6 +29,7 @@ from gguf import ExpertGatingFuncType, GGMLQuantizationType, Keys, TokenType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tqdm import tqdm
 
+from slotserve.models import gguf_blocks
 from slotserve.models.gguf_reader import GGUFError, GGUFFile, read_gguf
 from slotserve.parallel.threadpool import ThreadPool, get_pool
 
@@ -270,7 +271,7 @@ _Job = tuple[str, int, int, int]  # GGUF tensor, rows [start, stop), the first o
 PACKED_METADATA = "slotserve.packed"  # the safetensors metadata key: {tensor: [n, k, zero]} of the packed ones
 # A packed tensor's buffers (kernels/packed_tensor.py's), each `{name}.packed_{part}`.
 PACKED_PARTS = ("values", "scales", "offsets", "scale_factors", "offset_factors")
-SAFETENSORS_DTYPES = {torch.uint8: "U8", torch.float16: "F16", torch.float32: "F32"}
+SAFETENSORS_DTYPES = {torch.uint8: "U8", torch.int8: "I8", torch.float16: "F16", torch.float32: "F32"}
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
@@ -291,10 +292,15 @@ def write_weights(g: GGUFFile, mappings: list[TensorMapping], out_file: Path, po
     with data_file.open("wb") as data, tqdm(total=sum(int(np.prod(m.shape)) * 4 for m in mappings),
                                            desc="convert", unit="B", unit_scale=True) as bar:
         for m in mappings:
-            rows = _dequantize(g, m, pool)
-            bar.update(rows.nbytes)
-            quantized = g.tensors[m.gguf_name].qtype not in _FLOAT_TYPES and rows.ndim == 2
-            tensor = pack_narrow(torch.from_numpy(rows)) if quantized else None
+            qtype = g.tensors[m.gguf_name].qtype
+            if qtype in gguf_blocks.QTYPES and len(m.shape) == 2:
+                tensor = gguf_blocks.packed_k_quant(g.raw_rows(m.gguf_name, *m.rows), qtype)
+                bar.update(int(np.prod(m.shape)) * 4)
+            else:
+                rows = _dequantize(g, m, pool)
+                bar.update(rows.nbytes)
+                quantized = qtype not in _FLOAT_TYPES and rows.ndim == 2
+                tensor = pack_narrow(torch.from_numpy(rows)) if quantized else None
             if tensor is None:
                 entries.append((m.hf_name, "F32", list(rows.shape), rows.nbytes))
                 data.write(rows.data)

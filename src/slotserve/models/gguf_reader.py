@@ -80,10 +80,15 @@ class GGUFFile:
             out[start:stop] = self.dequantize_rows(name, start, stop)
         return out.reshape(t.shape)
 
+    def raw_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of the tensor flattened to 2-D (rows, row_length), as stored: uint8 [rows, bytes]."""
+        t = self.tensors[name]
+        return self.data[t.offset:t.offset + t.nbytes].reshape(t.rows, -1)[start:stop]
+
     def dequantize_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) of the tensor flattened to 2-D (rows, row_length), as float32."""
         t = self.tensors[name]
-        raw = self.data[t.offset:t.offset + t.nbytes].reshape(t.rows, -1)[start:stop]
+        raw = self.raw_rows(name, start, stop)
         try:
             return gguf.quants.dequantize(raw, t.qtype).astype(np.float32, copy=False)
         except Exception as e:  # gguf-py raises bare numpy errors on malformed blocks

@@ -354,7 +354,7 @@ def checkpoint_dtypes(files: list[Path]) -> dict[str, torch.dtype | None]:
     return dtypes
 
 
-_ITEM_BYTES = {"U8": 1, "F16": 2, "F32": 4}
+_ITEM_BYTES = {"U8": 1, "I8": 1, "F16": 2, "F32": 4}
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""`python -m slotserve.bench.dev {kernels,attention,threads} [args]`: the developer benchmarks."""
+"""`python -m slotserve.bench.dev {kernels,attention,threads,peer} [args]`: the developer benchmarks."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ def cmd_dev_bench(args: argparse.Namespace) -> int:
         from slotserve.bench.dev.kernels import run_kernels
 
         result = run_kernels(make_llm(args).engine, args)
+    elif args.bench == "peer":
+        from slotserve.bench.dev.peer import run_peer
+
+        result = run_peer(make_llm(args).engine, args)
     elif args.bench == "threads":
         from slotserve.bench.dev.threads import run_threads
 
@@ -48,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--context-len", type=int, default=256, help="context of each sequence in the batched decode")
     b.add_argument("--decode-steps", type=int, default=16)
     b.add_argument("--repeats", type=int, default=3)
+    add_engine_args(b)
+    b = bench.add_parser("peer", help="prefill and batch-1 decode beside llama.cpp's llama-bench, alternating")
+    b.add_argument("--llama-bench", required=True, help="the llama-bench binary")
+    b.add_argument("--input-len", type=int, default=512)
+    b.add_argument("--output-len", type=int, default=64)
+    b.add_argument("--rounds", type=int, default=5)
     add_engine_args(b)
     b = bench.add_parser("threads", help="parfor pool: dispatch cost vs ThreadPoolExecutor, matmul on 1..N threads")
     threads_args(b)

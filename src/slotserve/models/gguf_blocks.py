@@ -1,0 +1,70 @@
+"""GGUF's K-quants (Q4_K, Q5_K, Q6_K) read from their bytes as the integers, scales and offsets they store, rather
+than fitted to their dequantized weights: Q4_K and Q5_K are w = d * sc * q - dmin * m per block of 32, so scale =
+d * sc and offset = -dmin * m; Q6_K is w = d * sc * (q - 32) per half block of 16. Each scale and offset is a
+float16 times a small integer (exact in float32, and int8 codes under one factor per super-block:
+`Scales.grouped`), and scale * q + offset rounded once is the weight gguf-py's dequantization gives, bit for bit.
+A fit could not find these: where a block has no q = 0 its least weight, the fit's offset, is d * sc * q_min -
+dmin * m, which shares no factor with its neighbours'; and a half block whose values are all even moves a factor
+of 2 into its scale, out of int8's reach."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import Q4_K
+
+from slotserve.kernels.packed_tensor import BYTE_ZERO, PackedTensor
+
+SUPER = 256  # values of a K-quant's super-block: 8 blocks of BLOCK
+_LAYOUT = {  # bytes of a super-block, and where its parts start: d, dmin, scales, qh (Q5_K), qs
+    GGMLQuantizationType.Q4_K: (144, 0, 2, 4, None, 16),
+    GGMLQuantizationType.Q5_K: (176, 0, 2, 4, 16, 48),
+}
+Q6_K_BYTES = 210  # 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, d
+ROWS_AT_ONCE = 4096  # rows decoded at a time: the intermediates stay ~100 MB at 7B widths
+QTYPES = frozenset(_LAYOUT) | {GGMLQuantizationType.Q6_K}
+
+
+def _decode_q6_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+    """Rows of Q6_K super-blocks as (q - 32 + BYTE_ZERO as uint8 [rows, k], scales float32 [rows, k / 16], None)."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, Q6_K_BYTES)
+    lead = blocks.shape[:2]
+    low = blocks[..., :128].reshape(*lead, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]  # [half][nibble][64]
+    high = blocks[..., 128:192].reshape(*lead, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+    q = (low & 15).reshape(*lead, 8, 32) | (high & 3).reshape(*lead, 8, 32) << 4
+    d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)
+    scales = d * blocks[..., 192:208].view(np.int8).astype(np.float32)
+    return (q + np.uint8(BYTE_ZERO - 32)).reshape(rows, -1), scales.reshape(rows, -1), None
+
+
+def _decode(raw: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Rows of super-blocks (uint8 [rows, bytes]) as (q + BYTE_ZERO as uint8 [rows, k], scales and offsets float32
+    [rows, k / BLOCK], or per half block and without offsets: Q6_K)."""
+    if qtype == GGMLQuantizationType.Q6_K:
+        return _decode_q6_k(raw)
+    size, d_at, dmin_at, scales_at, qh_at, qs_at = _LAYOUT[qtype]
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, size)  # [rows, supers, size]
+    d = blocks[..., d_at:d_at + 2].copy().view(np.float16).astype(np.float32)  # [rows, supers, 1]
+    dmin = blocks[..., dmin_at:dmin_at + 2].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(blocks[..., scales_at:scales_at + 12].reshape(-1, 12))
+    sc, m = sc.reshape(*blocks.shape[:2], 8), m.reshape(*blocks.shape[:2], 8)
+    qs = blocks[..., qs_at:qs_at + 128].reshape(*blocks.shape[:2], 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
+    q = (qs & 15).reshape(*blocks.shape[:2], 8, 32)  # [rows, supers, block, value]
+    if qh_at is not None:
+        qh = blocks[..., qh_at:qh_at + 32].reshape(*blocks.shape[:2], 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
+        q = q | (qh & 1) << 4
+    scales = (d * sc.astype(np.float32)).reshape(rows, -1)
+    offsets = -(dmin * m.astype(np.float32)).reshape(rows, -1)
+    return (q + np.uint8(BYTE_ZERO)).reshape(rows, -1), scales, offsets
+
+
+def packed_k_quant(raw: np.ndarray, qtype: GGMLQuantizationType) -> PackedTensor:
+    """A K-quant tensor's rows (uint8 [n, bytes a row]) packed as the kernels read them, in its smallest exact
+    form."""
+    parts = [_decode(raw[start:start + ROWS_AT_ONCE], qtype) for start in range(0, raw.shape[0], ROWS_AT_ONCE)]
+    values, scales = (torch.from_numpy(np.concatenate([p[i] for p in parts])) for i in (0, 1))
+    offsets = None if parts[0][2] is None else torch.from_numpy(np.concatenate([p[2] for p in parts]))
+    return PackedTensor.of_integers(values, scales, offsets).compact()
