@@ -4,6 +4,7 @@ default model's tokenizer against the Qwen tokenizer."""
 from __future__ import annotations
 
 import json
+import time
 import unicodedata
 from pathlib import Path
 
@@ -122,6 +123,7 @@ def test_thread_pool_gives_identical_weights(tmp_path, monkeypatch):
 
     def recorded(self, *args):
         executors.add(worker_id())
+        time.sleep(0.002)  # each job long enough that the other executors take some: one alone can drain them all
         return dequantize_rows(self, *args)
 
     monkeypatch.setattr(GGUFFile, "dequantize_rows", recorded)

@@ -59,7 +59,7 @@ def _segment_range(run: torch.Tensor, segments: int) -> tuple[torch.Tensor, torc
     return low, high
 
 
-def _in_bytes(codes: torch.Tensor, factors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _int8_codes(codes: torch.Tensor, factors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Float16 codes [pairs, groups, codes, PAIR] under factors as int8 ones, where every group's are integers
     that share a power of two leaving each within int8 (a K-quant's 6- or 8-bit block scales), the power (and a
     sign, where the codes reach 128) moved into the factors; else as they are."""
@@ -121,7 +121,7 @@ class Scales:
         power = torch.ldexp(torch.ones_like(quotients[:, :, 0]), top - CODE_TOP)
         factors = (divisor.clamp(min=1).double() * power).float()
         codes = (quotients / power[:, :, None]).half()
-        codes, factors = _in_bytes(codes, factors)
+        codes, factors = _int8_codes(codes, factors)
         if not torch.equal(codes.float() * factors[:, :, None], s):  # the kernels' product, exactly the scale
             return self
         return Scales(codes.view(pairs, groups * SCALE_GROUP, halves, PAIR)[:, :blocks].contiguous(), factors)
