@@ -222,7 +222,7 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """One forward pass over every scheduled request; an output for each that sampled a token."""
-        start = time.perf_counter()
+        began = time.perf_counter()
         plan = self.scheduler.schedule()
         failed = self._failed_grammars(plan.scheduled)
         if not plan.scheduled:
@@ -260,7 +260,7 @@ class EngineCore:
             outputs += [self._append(req, sampled.token_ids[i], sampled.logprobs[i])
                         for i, (req, _) in enumerate(sampling)]
         end = time.perf_counter()
-        self.step_log.add(StepRecord(time.time(), end - start, scheduled - start, ran - scheduled, end - ran,
+        self.step_log.add(StepRecord(time.time(), end - began, scheduled - began, ran - scheduled, end - ran,
                                      len(seqs), sum(len(s.token_ids) for s in seqs)))
         return failed + outputs
 
