@@ -7,12 +7,15 @@ import math
 
 import torch
 from gguf import GGMLQuantizationType as Q
+from safetensors import safe_open
 
 from slotserve.bench.random_gguf import SHAPES, WEIGHT_STD, Shapes, tensor_types, write_random_gguf
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
+from slotserve.kernels import packed_linear
+from slotserve.kernels.packed_linear import PackedWeight
 from slotserve.models.gguf import convert_gguf
 from slotserve.models.gguf_reader import read_gguf
-from slotserve.models.loader import load_model
+from slotserve.models.loader import load_model, packed_tensors
 from tests.gguf_fixtures import VOCAB_ROWS, tiny_gguf
 
 SMALL = Shapes(hidden=256, intermediate=512, layers=8, heads=4, kv_heads=2, vocab=VOCAB_ROWS + 32, context=512)
@@ -39,8 +42,29 @@ def test_a_random_gguf_converts_and_runs(tmp_path):
         assert abs(w.mean()) < 0.1 * WEIGHT_STD and 0.7 * WEIGHT_STD < w.std() < 1.3 * WEIGHT_STD, name
     out = tmp_path / "out"
     convert_gguf(path, out)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        packed = {name: read() for name, read in packed_tensors(f).items()}
+    for hf_name, gguf_name, bits in (("model.layers.3.mlp.up_proj.weight", "blk.3.ffn_up.weight", 4),
+                                     ("model.layers.0.mlp.down_proj.weight", "blk.0.ffn_down.weight", 6)):
+        tensor = packed[hf_name]  # read from the blocks' bytes: int8 scale codes, the GGUF's weights exactly
+        assert tensor.bits == bits and tensor.scales.codes.dtype == torch.int8
+        assert torch.equal(PackedWeight.of(tensor).dequantize(), torch.from_numpy(g.dequantize(gguf_name)))
     model, cfg = load_model(out, torch.float32, torch.device("cpu"))
     assert cfg.num_hidden_layers == SMALL.layers and cfg.vocab_size == SMALL.vocab
     runner = ModelRunner(model, cfg, num_blocks=16, block_size=4)
     logits = runner.execute([ScheduledSeq([3, 70, 200, 5], 0, [0])])[0].logits
     assert logits.shape == (1, SMALL.vocab) and bool(torch.isfinite(logits).all())
+
+
+def test_without_the_kernels_k_quants_convert_to_float32(tmp_path, monkeypatch):
+    """A machine where the kernels do not build keeps no packings it could not run."""
+    monkeypatch.setattr(packed_linear, "built", lambda: False)
+    tokenizer = tiny_gguf()[0].write(tmp_path / "tokenizer.gguf")
+    path = tmp_path / "random.gguf"
+    write_random_gguf(path, Shapes(hidden=256, intermediate=256, layers=1, heads=4, kv_heads=2, vocab=SMALL.vocab,
+                                   context=64), tokenizer)
+    convert_gguf(path, tmp_path / "out")
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:
+        assert not packed_tensors(f)
+        up = f.get_tensor("model.layers.0.mlp.up_proj.weight")
+    assert torch.equal(up, torch.from_numpy(read_gguf(path).dequantize("blk.0.ffn_up.weight")))

@@ -278,11 +278,13 @@ _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantiza
 def write_weights(g: GGUFFile, mappings: list[TensorMapping], out_file: Path, pool: ThreadPool | None = None) -> None:
     """Every mapped tensor into one safetensors file: a quantized 2-D tensor packed in its smallest exact form
     (kernels/packed_tensor.py), which the kernels read as it is: `{name}.packed_{part}` for each of its
-    PACKED_PARTS, listed under PACKED_METADATA, where every block fits; the rest float32. One tensor at a time
-    is dequantized, on `pool`'s executors (default `get_pool()`: gguf-py's numpy kernels release the GIL), so
-    memory stays at the largest tensor's float32 whatever the model size."""
+    PACKED_PARTS, listed under PACKED_METADATA, where every block fits (K-quants read from their bytes,
+    gguf_blocks.py; other types fitted to their dequantized values); the rest float32, and everything where the
+    kernels do not build here. One tensor at a time is dequantized, on `pool`'s executors (default `get_pool()`:
+    gguf-py's numpy kernels release the GIL), so memory stays at the largest tensor's float32 whatever the model
+    size."""
     # Imported here: kernels.native imports model_store, which imports this module.
-    from slotserve.kernels.packed_linear import pack_narrow
+    from slotserve.kernels.packed_linear import built, pack_narrow
 
 
     entries: list[tuple[str, str, list[int], int]] = []  # name, dtype, shape, bytes
@@ -293,7 +295,7 @@ def write_weights(g: GGUFFile, mappings: list[TensorMapping], out_file: Path, po
                                            desc="convert", unit="B", unit_scale=True) as bar:
         for m in mappings:
             qtype = g.tensors[m.gguf_name].qtype
-            if qtype in gguf_blocks.QTYPES and len(m.shape) == 2:
+            if qtype in gguf_blocks.QTYPES and len(m.shape) == 2 and built():
                 tensor = gguf_blocks.packed_k_quant(g.raw_rows(m.gguf_name, *m.rows), qtype)
                 bar.update(int(np.prod(m.shape)) * 4)
             else:
