@@ -110,8 +110,9 @@ static inline float block_scale(const void *scales, const float *factors, int co
     if (!factors)
         return ((const float *)scales)[at];
     const long groups = (blocks + SCALE_GROUP - 1) / SCALE_GROUP;
-    _Float16 h;
-    memcpy(&h, (const uint16_t *)scales + at, sizeof h);
+    _Float16 h = 0;
+    if (code_bytes == 2)
+        memcpy(&h, (const uint16_t *)scales + at, sizeof h);
     const float code = code_bytes == 1 ? (float)((const int8_t *)scales)[at] : (float)h;
     return code * factors[(p * groups + b / SCALE_GROUP) * PAIR + col];
 }

@@ -16,11 +16,9 @@ from gguf.quants import Q4_K
 
 from slotserve.kernels.packed_tensor import BYTE_ZERO, PackedTensor
 
-SUPER = 256  # values of a K-quant's super-block: 8 blocks of BLOCK
-_LAYOUT = {  # bytes of a super-block, and where its parts start: d, dmin, scales, qh (Q5_K), qs
-    GGMLQuantizationType.Q4_K: (144, 0, 2, 4, None, 16),
-    GGMLQuantizationType.Q5_K: (176, 0, 2, 4, 16, 48),
-}
+# Bytes of a super-block of 256 values, and where its high bits (Q5_K) and its nibbles start: each begins with d
+# and dmin (float16) and 12 bytes of 6-bit scales and minimums.
+_LAYOUT = {GGMLQuantizationType.Q4_K: (144, None, 16), GGMLQuantizationType.Q5_K: (176, 16, 48)}
 Q6_K_BYTES = 210  # 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, d
 ROWS_AT_ONCE = 4096  # rows decoded at a time: the intermediates stay ~100 MB at 7B widths
 QTYPES = frozenset(_LAYOUT) | {GGMLQuantizationType.Q6_K}
@@ -44,12 +42,11 @@ def _decode(raw: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, n
     [rows, k / BLOCK], or per half block and without offsets: Q6_K)."""
     if qtype == GGMLQuantizationType.Q6_K:
         return _decode_q6_k(raw)
-    size, d_at, dmin_at, scales_at, qh_at, qs_at = _LAYOUT[qtype]
+    size, qh_at, qs_at = _LAYOUT[qtype]
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, size)  # [rows, supers, size]
-    d = blocks[..., d_at:d_at + 2].copy().view(np.float16).astype(np.float32)  # [rows, supers, 1]
-    dmin = blocks[..., dmin_at:dmin_at + 2].copy().view(np.float16).astype(np.float32)
-    sc, m = Q4_K.get_scale_min(blocks[..., scales_at:scales_at + 12].reshape(-1, 12))
+    d, dmin = (blocks[..., at:at + 2].copy().view(np.float16).astype(np.float32) for at in (0, 2))  # [rows, supers, 1]
+    sc, m = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
     sc, m = sc.reshape(*blocks.shape[:2], 8), m.reshape(*blocks.shape[:2], 8)
     qs = blocks[..., qs_at:qs_at + 128].reshape(*blocks.shape[:2], 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
     q = (qs & 15).reshape(*blocks.shape[:2], 8, 32)  # [rows, supers, block, value]
