@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
@@ -16,7 +17,6 @@ from tests.test_few_rows import OTHER_BUILDS, assert_builds_agree
 
 pytestmark = pytest.mark.skipif(not packed_linear.built(), reason="native kernels not built here")
 
-SUPER_BYTES = {Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
 # Where each super-block keeps its float16 factors (d, dmin) and its block scales (and minimums).
 FACTORS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 SCALES = {Q.Q4_K: slice(4, 16), Q.Q5_K: slice(4, 16), Q.Q6_K: slice(192, 208)}
@@ -25,7 +25,7 @@ SCALES = {Q.Q4_K: slice(4, 16), Q.Q5_K: slice(4, 16), Q.Q6_K: slice(192, 208)}
 def _random_k_quant(n: int, k: int, qtype: Q, seed: int) -> np.ndarray:
     """[n, bytes] of random blocks: any bytes, but the factors small float16s (Q6_K's of either sign)."""
     rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (n * k // 256, SUPER_BYTES[qtype]), dtype=np.uint8)
+    raw = rng.integers(0, 256, (n * k // 256, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
     sign = rng.choice([-1, 1], len(raw)) if qtype == Q.Q6_K else 1
     for at in FACTORS[qtype]:
         factors = sign * (rng.random(len(raw)) * 1e-3 + 1e-5)

@@ -18,12 +18,12 @@ from slotserve.bench.memory import peak_resident_bytes, resident_bytes, weight_b
 from slotserve.sampling_params import SamplingParams
 
 
-def _random_prompt(rng: random.Random, length: int) -> list[int]:
+def random_prompt(rng: random.Random, length: int) -> list[int]:
     # Ordinary vocabulary ids only: no special tokens in the middle of a prompt.
     return [rng.randrange(1000, 100_000) for _ in range(length)]
 
 
-def _timed_request(engine, request_id: str, prompt: list[int], max_tokens: int) -> tuple[float, float]:
+def timed_request(engine, request_id: str, prompt: list[int], max_tokens: int) -> tuple[float, float]:
     """Seconds of the first step (prefill + first token) and of all the later (decode) steps."""
     engine.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     start = time.perf_counter()
@@ -46,12 +46,12 @@ def run_latency(make_llm: Callable[[argparse.Namespace], Any], args: argparse.Na
     llm = make_llm(args)
     engine = llm.engine
     rng = random.Random(0)
-    _timed_request(engine, "ttft", _random_prompt(rng, 8), 1)
+    timed_request(engine, "ttft", random_prompt(rng, 8), 1)
     ttft_from_start = time.perf_counter() - started
 
-    prefill = [_timed_request(engine, f"prefill-{i}", _random_prompt(rng, args.input_len), 1)[0]
+    prefill = [timed_request(engine, f"prefill-{i}", random_prompt(rng, args.input_len), 1)[0]
                for i in range(args.repeats)]
-    decode = [_timed_request(engine, f"decode-{i}", _random_prompt(rng, 16), args.output_len)[1]
+    decode = [timed_request(engine, f"decode-{i}", random_prompt(rng, 16), args.output_len)[1]
               for i in range(args.repeats)]
     prefill_s, decode_s = statistics.median(prefill), statistics.median(decode)
     model, cpu = engine.runner.model, engine.device.type == "cpu"

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K
 
 from slotserve.kernels.packed_tensor import BYTE_ZERO, PackedTensor
 
-# Bytes of a super-block of 256 values, and where its high bits (Q5_K) and its nibbles start: each begins with d
-# and dmin (float16) and 12 bytes of 6-bit scales and minimums.
-_LAYOUT = {GGMLQuantizationType.Q4_K: (144, None, 16), GGMLQuantizationType.Q5_K: (176, 16, 48)}
-Q6_K_BYTES = 210  # 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, d
+# Where a super-block's high bits (Q5_K) and its nibbles start: each begins with d and dmin (float16) and 12 bytes
+# of 6-bit scales and minimums. A Q6_K one holds 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, d.
+_LAYOUT = {GGMLQuantizationType.Q4_K: (None, 16), GGMLQuantizationType.Q5_K: (16, 48)}
 ROWS_AT_ONCE = 4096  # rows decoded at a time: the intermediates stay ~100 MB at 7B widths
 QTYPES = frozenset(_LAYOUT) | {GGMLQuantizationType.Q6_K}
 
@@ -27,7 +26,7 @@ QTYPES = frozenset(_LAYOUT) | {GGMLQuantizationType.Q6_K}
 def _decode_q6_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
     """Rows of Q6_K super-blocks as (q - 32 + BYTE_ZERO as uint8 [rows, k], scales float32 [rows, k / 16], None)."""
     rows = raw.shape[0]
-    blocks = raw.reshape(rows, -1, Q6_K_BYTES)
+    blocks = raw.reshape(rows, -1, GGML_QUANT_SIZES[GGMLQuantizationType.Q6_K][1])
     lead = blocks.shape[:2]
     low = blocks[..., :128].reshape(*lead, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]  # [half][nibble][64]
     high = blocks[..., 128:192].reshape(*lead, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
@@ -42,9 +41,9 @@ def _decode(raw: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, n
     [rows, k / BLOCK], or per half block and without offsets: Q6_K)."""
     if qtype == GGMLQuantizationType.Q6_K:
         return _decode_q6_k(raw)
-    size, qh_at, qs_at = _LAYOUT[qtype]
+    qh_at, qs_at = _LAYOUT[qtype]
     rows = raw.shape[0]
-    blocks = raw.reshape(rows, -1, size)  # [rows, supers, size]
+    blocks = raw.reshape(rows, -1, GGML_QUANT_SIZES[qtype][1])  # [rows, supers, bytes]
     d, dmin = (blocks[..., at:at + 2].copy().view(np.float16).astype(np.float32) for at in (0, 2))  # [rows, supers, 1]
     sc, m = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
     sc, m = sc.reshape(*blocks.shape[:2], 8), m.reshape(*blocks.shape[:2], 8)

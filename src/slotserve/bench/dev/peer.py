@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from slotserve import model_store
-from slotserve.bench.latency import _random_prompt, _timed_request
+from slotserve.bench.latency import random_prompt, timed_request
 from slotserve.engine.llm_engine import LLMEngine
 
 
@@ -40,8 +40,8 @@ def _llama_round(args: argparse.Namespace, gguf: str) -> tuple[float, float]:
 
 
 def _engine_round(engine: LLMEngine, args: argparse.Namespace, rng: random.Random, i: int) -> tuple[float, float]:
-    prefill = _timed_request(engine, f"prefill-{i}", _random_prompt(rng, args.input_len), 1)[0]
-    decode = _timed_request(engine, f"decode-{i}", _random_prompt(rng, 16), args.output_len)[1]
+    prefill = timed_request(engine, f"prefill-{i}", random_prompt(rng, args.input_len), 1)[0]
+    decode = timed_request(engine, f"decode-{i}", random_prompt(rng, 16), args.output_len)[1]
     return args.input_len / prefill, (args.output_len - 1) / decode
 
 
