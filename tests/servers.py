@@ -63,7 +63,7 @@ class Server:
     def worker_pids(self) -> list[int]:
         """The engine core's worker ranks (tensor parallel)."""
         return [child.pid for child in psutil.Process(self.engine_pid()).children()
-                if any("slotserve.distributed.worker" in part for part in child.cmdline())]
+                if any("slotserve.engine.worker_process" in part for part in child.cmdline())]
 
     def wait_exit(self, timeout: float) -> int:
         return self.proc.wait(timeout=timeout)

@@ -13,7 +13,7 @@ from slotserve import SamplingParams
 from slotserve.config import EngineConfig
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
-from slotserve.engine.request import Request
+from slotserve.engine.sequence import Sequence
 from slotserve.layers.sampler import SamplingState
 
 BLOCK = 4
@@ -210,7 +210,7 @@ def test_a_requests_token_slices_read_across_its_prompt_and_output():
     slice as of the whole list."""
     prompt = [11, 12, 13, 14, 15]
     params = SamplingParams(max_tokens=8)
-    req = Request("r", prompt, params, SamplingState.new(params, prompt, [], 32), 8,
+    req = Sequence("r", prompt, params, SamplingState.new(params, prompt, [], 32), 8,
                   output_token_ids=[21, 22, 23])
     whole = prompt + req.output_token_ids
     assert all(req.token_ids(a, b) == whole[a:b] for a in range(len(whole) + 1) for b in range(a, len(whole) + 1))

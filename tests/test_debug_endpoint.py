@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from slotserve.engine.faults import FaultPoint, fault_spec
+from slotserve.faults import FaultPoint, fault_spec
 from tests.servers import Server
 
 ENGINE_THREADS = {"IPCLoop", "EngineCoreLoop", "OutputProcessor"}

@@ -8,7 +8,7 @@ import torch
 
 from slotserve import LLM, SamplingParams
 from slotserve.config import EngineConfig
-from slotserve.engine.engine_core import _one_tensor
+from slotserve.engine.model_runner import _one_tensor
 from slotserve.kernels import decode_attention, norm_rotary_swiglu_argmax, small_gemm
 from tests.conftest import build_tiny_model
 
@@ -110,7 +110,7 @@ def test_eos_ends_generation_unless_ignored(tiny):
     probe = LLM(str(tiny[0]), **SMALL_CACHE)
     out = probe.generate(PROMPTS[0], GREEDY)[0].outputs[0]
     # Make the 4th greedy token an EOS of the model: generation must end there, and go on with ignore_eos.
-    probe.engine.core.eos_token_ids = frozenset({out.token_ids[3]})
+    probe.engine.core.scheduler.eos_token_ids = frozenset({out.token_ids[3]})
     stopped = probe.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=16))[0].outputs[0]
     assert stopped.finish_reason == "stop" and stopped.token_ids == out.token_ids[:4]
     assert probe.generate(PROMPTS[0], GREEDY)[0].outputs[0].token_ids == out.token_ids

@@ -91,7 +91,7 @@ def test_engine_keeps_weights_and_cache_in_huge_pages(tiny_qwen3):
     assert runner.k_cache.data_ptr() % host_memory.HUGE_PAGE == 0
     assert "hg" in _vma_flags(runner.v_cache.data_ptr())["VmFlags"].split()
     large = [p for p in engine.core.model.parameters() if p.nbytes >= host_memory.MIN_BYTES]
-    assert engine.core.weights_in_huge_pages == bool(large)
+    assert engine.core.worker.weights_in_huge_pages == bool(large)
     for p in large:
         assert "hg" in _vma_flags(p.data_ptr())["VmFlags"].split()
 

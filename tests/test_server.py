@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from slotserve.engine.faults import FaultPoint, fault_spec
+from slotserve.faults import FaultPoint, fault_spec
 from tests.helpers import assert_figures
 from tests.servers import MODEL, Server
 

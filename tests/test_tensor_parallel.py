@@ -5,6 +5,7 @@ exchange). Every engine here starts real worker processes and stops them."""
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import time
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from slotserve.config import EngineConfig, ModelConfig
-from slotserve.distributed.executor import WorkerError
+from slotserve.engine.executor import WorkerError
 from slotserve.engine.engine_core import check_split
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, Want
@@ -164,3 +165,25 @@ def test_each_rank_runs_on_its_own_cores_and_the_driver_gets_them_back(models, g
     finally:
         engine.shutdown()
     assert _allowed_cores("self") == host
+
+
+def test_a_dropped_llm_releases_its_ranks_for_the_next(models):
+    """An `LLM` collected without `shutdown()` stops its worker processes and leaves its process group, so a
+    second one in the same process starts (torch.distributed's default group can exist once) and agrees."""
+    from slotserve import LLM
+
+    per_token = ModelRunner.cache_bytes_per_token(ModelConfig.from_dir(models["qwen3"]), torch.float32, 2)
+    args = {"tensor_parallel_size": 2, "block_size": BLOCK, "kv_cache_memory": 64 * BLOCK * per_token,
+            "distributed_timeout": 60}
+    llm = LLM(models["qwen3"], **args)
+    first = run(llm.engine, PROMPTS[:2])
+    processes = list(llm.engine.core.workers.processes.values())
+    del llm
+    gc.collect()
+    assert all(p.poll() is not None for p in processes)
+    assert not torch.distributed.is_initialized()
+    again = LLM(models["qwen3"], **args)
+    try:
+        assert run(again.engine, PROMPTS[:2]) == first
+    finally:
+        again.shutdown()

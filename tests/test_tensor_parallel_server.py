@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from slotserve import LLM, SamplingParams
-from slotserve.engine.faults import FaultPoint, fault_spec
+from slotserve.faults import FaultPoint, fault_spec
 from tests.servers import MODEL, Server
 
 LONG = {"max_tokens": 900, "temperature": 0, "ignore_eos": True}

@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from slotserve.distributed.executor import WorkerError
-from slotserve.engine.faults import FAULT_ENV, FaultPoint, fault_spec
+from slotserve.engine.executor import WorkerError
+from slotserve.faults import FAULT_ENV, FaultPoint, fault_spec
 from slotserve.engine.model_runner import ScheduledSeq, Want
 from slotserve.parallel import timeline
 from slotserve.parallel.ubatch import UbatchError

@@ -8,11 +8,24 @@ import os
 # it reproducible (same rate here). MKL reads this at its first call, so it is set before torch computes.
 os.environ.setdefault("MKL_CBWR", "AUTO")
 
-from slotserve.entrypoints.llm import LLM
-from slotserve.outputs import CompletionOutput, EmbeddingOutput, RequestOutput
-from slotserve.pooling_params import PoolingParams
-from slotserve.sampling_params import SamplingParams, StructuredOutputsParams
+import importlib
 
-__all__ = ["LLM", "CompletionOutput", "EmbeddingOutput", "PoolingParams", "RequestOutput", "SamplingParams",
-           "StructuredOutputsParams"]
+# Imported on first use, so that a process that needs one part (the front end, a worker, the protocol alone)
+# does not import the whole engine.
+_EXPORTS = {
+    "LLM": "slotserve.entrypoints.llm",
+    "CompletionOutput": "slotserve.outputs",
+    "EmbeddingOutput": "slotserve.outputs",
+    "RequestOutput": "slotserve.outputs",
+    "PoolingParams": "slotserve.pooling_params",
+    "SamplingParams": "slotserve.sampling_params",
+    "StructuredOutputsParams": "slotserve.sampling_params",
+}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'slotserve' has no attribute {name!r}")

@@ -225,7 +225,7 @@ def _eos_ids(cfg: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:
 
 
 class ExecutorBackend(enum.Enum):
-    """What runs the ranks of a model split over several (distributed/executor.py)."""
+    """What runs the ranks of a model split over several (engine/executor.py)."""
 
     MP = "mp"  # worker processes the engine core starts on this machine
     RAY = "ray"  # Ray actors in a placement group, on any machines of a Ray cluster

@@ -2,9 +2,8 @@
 by token; at each step the tokens the grammar does not allow next are masked out of the request's logits row.
 
 llguidance, not xgrammar: it is one self-contained wheel with no Python dependencies, where xgrammar pulls in
-transformers and triton. Both are fast enough here (bundled model's vocabulary, one JSON schema, 2 cores): a new
-schema compiles in 1.3 ms (xgrammar 3.6), a step's mask takes 0.06 ms (xgrammar 0.01), both below the 0.4 ms of
-writing the mask into a logits row.
+transformers and triton. Both are fast enough here: with either, a step's mask costs a fraction of writing it
+into a logits row, and a new schema compiles in milliseconds.
 
 Grammars compile on a thread of their own (`GrammarCompiler`), once per distinct constraint: each request gets a
 copy of the compiled matcher. A request whose grammar is not ready yet waits, while others run.

@@ -17,7 +17,7 @@ from slotserve.engine.model_runner import ScheduledSeq, Want
 
 def _step_ms(engine: Any, seqs: list[ScheduledSeq], repeats: int) -> tuple[float, float]:
     """Median milliseconds of a step, and of the driver's collectives in it."""
-    clock = engine.core.parallel.group.clock
+    clock = engine.core.worker.parallel.group.clock
     steps, waits = [], []
     for _ in range(repeats + 1):  # the first warms up
         before = clock.seconds

@@ -17,9 +17,9 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
+from slotserve import faults
 from slotserve.config import ExpertCommKind
-from slotserve.engine import faults
-from slotserve.engine.faults import FaultPoint
+from slotserve.faults import FaultPoint
 from slotserve.parallel import timeline, ubatch
 from slotserve.parallel.timeline import SpanKind
 

@@ -1,8 +1,8 @@
 """A sum over the tensor-parallel ranks of one host, through shared memory instead of gloo.
 
 Why: gloo's all-reduce goes over loopback TCP, ~540 us for the 896 floats of one hidden state on a
-2-core machine; a decode step makes two per layer (24 layers: 26 ms, more than the whole single-process
-step). Here a round costs a copy, a flag and a sum (kernels/shm_all_reduce.c).
+2-core machine, and a decode step makes two per layer: together they outlast the whole single-process
+step. Here a round costs a copy, a flag and a sum (kernels/shm_all_reduce.c).
 
 How: rank 0 creates a segment in /dev/shm that every rank maps, with a slot of `capacity_bytes` per rank
 in each of two sets, and one flag per rank holding the last round it has written. In round k (1, 2, ...)

@@ -20,13 +20,27 @@ from collections.abc import AsyncIterator, Sequence
 import zmq
 import zmq.asyncio
 
+from slotserve import faults
 from slotserve.config import EngineConfig, ModelConfig
-from slotserve.engine import faults
-from slotserve.engine.core_process import run_engine_core
-from slotserve.engine.engine_core import EngineStats
-from slotserve.engine.faults import FaultPoint
 from slotserve.engine.input_processor import InputProcessor
-from slotserve.engine.serialization import CoreCommand, CoreEvent, decode_event, encode
+from slotserve.engine.protocol import (
+    AbortRequests,
+    AddRequest,
+    CoreCommand,
+    Dead,
+    Debug,
+    EngineStats,
+    GetDebug,
+    GetStats,
+    Outputs,
+    Ready,
+    RequestFailed,
+    Shutdown,
+    Stats,
+    decode_event,
+    encode,
+)
+from slotserve.faults import FaultPoint
 from slotserve.model_store import resolve_model
 from slotserve.multimodal.prompts import ImageLike, ImagePrompting
 from slotserve.outputs import EmbeddingOutput, RequestOutput
@@ -187,17 +201,18 @@ class AsyncLLM:
     async def _start(self, timeout: float) -> None:
         spawn = multiprocessing.get_context("spawn")
         self._process = spawn.Process(
-            target=run_engine_core, name="EngineCore", daemon=True,
+            target=_run_engine_core, name="EngineCore", daemon=True,
             args=(self.config, self._input_address, self._output_address, self._log_level))
         self._process.start()
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             if await self._events.poll(timeout=200):
                 event = decode_event(await self._events.recv())
-                if event.kind == "ready":
+                if isinstance(event, Ready):
                     break
                 self._cleanup()
-                raise EngineStartError(f"engine core failed to start: {event.message}")
+                why = event.message if isinstance(event, Dead) else f"it sent {type(event).__name__} first"
+                raise EngineStartError(f"engine core failed to start: {why}")
             if not self._process.is_alive():
                 self._cleanup()
                 raise EngineStartError(f"engine core exited during start-up (exit code {self._process.exitcode})")
@@ -241,7 +256,7 @@ class AsyncLLM:
                          [s.request_id for s in processed.sequences])
         self._streams[key] = stream
         try:
-            await self._send(CoreCommand("add", request=processed))
+            await self._send(AddRequest(processed))
         except BaseException:
             self._streams.pop(key, None)
             raise
@@ -259,7 +274,7 @@ class AsyncLLM:
 
     async def _abort(self, keys: list[str], sequence_ids: list[str]) -> None:
         with contextlib.suppress(EngineDeadError):
-            await self._send(CoreCommand("abort", request_ids=keys, sequence_ids=sequence_ids))
+            await self._send(AbortRequests(keys, sequence_ids))
 
     async def abort_all(self, reason: str) -> None:
         """Ends every request in flight with RequestAbortedError(reason), and frees them in the engine."""
@@ -279,21 +294,21 @@ class AsyncLLM:
             raise EngineDeadError(f"engine core did not take a message within {timeout:.0f} s") from None
 
     async def stats(self, timeout: float = 5.0) -> EngineStats:
-        return await self._ask("stats", timeout)
+        return await self._ask(GetStats, timeout)
 
     async def debug(self, timeout: float = 5.0) -> dict:
         """The engine process's snapshot: threads and stacks, queues, scheduler, recent steps, watchdog. The IPC
         loop answers it, so it comes back while the core loop is stuck."""
-        return await self._ask("debug", timeout)
+        return await self._ask(GetDebug, timeout)
 
-    async def _ask(self, kind: str, timeout: float):
+    async def _ask(self, question: type[GetStats | GetDebug], timeout: float):
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
         token = next(self._tokens)
         waiter = asyncio.get_running_loop().create_future()
         self._stats_waiters[token] = waiter
         try:
-            await self._send(CoreCommand(kind, token=token), timeout)
+            await self._send(question(token), timeout)
             return await asyncio.wait_for(waiter, timeout)
         finally:
             self._stats_waiters.pop(token, None)
@@ -304,21 +319,21 @@ class AsyncLLM:
         while True:
             data = await self._events.recv()
             faults.check(FaultPoint.FRONTEND_EVENTS)
-            event: CoreEvent = decode_event(data)
-            if event.kind == "outputs":
-                for out in [*(event.outputs or []), *(event.embeddings or [])]:
+            event = decode_event(data)
+            if isinstance(event, Outputs):
+                for out in [*event.outputs, *event.embeddings]:
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
                         stream.put(out)
-            elif event.kind in ("stats", "debug"):
+            elif isinstance(event, Stats | Debug):
                 waiter = self._stats_waiters.get(event.token)
                 if waiter is not None and not waiter.done():
-                    waiter.set_result(event.stats if event.kind == "stats" else event.debug)
-            elif event.kind == "error":
+                    waiter.set_result(event.stats if isinstance(event, Stats) else event.snapshot)
+            elif isinstance(event, RequestFailed):
                 stream = self._streams.get(event.request_id)
                 if stream is not None:
                     stream.fail(ValueError(event.message))
-            elif event.kind == "dead":
+            elif isinstance(event, Dead):
                 self._fail_all(f"engine core died: {event.message}")
                 return
 
@@ -355,7 +370,7 @@ class AsyncLLM:
             task.cancel()
         if self._process is not None and self._process.is_alive():
             with contextlib.suppress(EngineDeadError):
-                await self._send(CoreCommand("shutdown"), timeout)
+                await self._send(Shutdown(), timeout)
             deadline = asyncio.get_running_loop().time() + timeout
             while self._process.is_alive() and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.05)
@@ -371,3 +386,10 @@ class AsyncLLM:
             path = address.removeprefix("ipc://")
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def _run_engine_core(*args) -> None:
+    """The engine-core process's entry: the core is imported there, never in the front end."""
+    from slotserve.engine.core_process import run_engine_core
+
+    run_engine_core(*args)

@@ -20,17 +20,35 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
 
+from slotserve import faults
 from slotserve.config import EngineConfig
-from slotserve.distributed.executor import WorkerError
-from slotserve.engine import diagnostics, faults
+from slotserve.engine import diagnostics
 from slotserve.engine.diagnostics import ThreadSampler, Watchdog
 from slotserve.engine.engine_core import EngineCore
-from slotserve.engine.faults import FaultPoint
+from slotserve.engine.executor import WorkerError
 from slotserve.engine.output_processor import OutputProcessor
-from slotserve.engine.serialization import CoreCommand, CoreEvent, decode_command, encode
+from slotserve.engine.protocol import (
+    AbortRequests,
+    AddRequest,
+    CoreCommand,
+    Dead,
+    Debug,
+    EngineCoreOutput,
+    GetDebug,
+    GetStats,
+    Outputs,
+    Ready,
+    RequestFailed,
+    Shutdown,
+    Stats,
+    decode_command,
+    encode,
+)
+from slotserve.faults import FaultPoint
 from slotserve.model_store import resolve_model
 from slotserve.tokenizer import Tokenizer
 
@@ -59,14 +77,13 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         core = EngineCore(config, path, tokenizer.eos_token_id)
     except Exception as e:  # load failures reach the front end as a reason, not a hang
         logger.exception("engine core failed to start")
-        events.send(encode(CoreEvent("dead", message=f"{type(e).__name__}: {e}")))
+        events.send(encode(Dead(f"{type(e).__name__}: {e}")))
         events.close(linger=2000)
         events_ctx.term()
         return
     server = _CoreServer(ctx, core, OutputProcessor(tokenizer, delta=True), input_address, events, parent,
                          config.stall_timeout)
-    events.send(encode(CoreEvent("ready", max_model_len=core.max_model_len, vocab_size=core.vocab_size,
-                                 hidden_size=core.model_config.hidden_size, task=core.task)))
+    events.send(encode(Ready(core.max_model_len, core.vocab_size, core.model_config.hidden_size, core.task)))
     clean = server.run()
     core.shutdown(kill=not clean)  # the model's other ranks, where it has any
     events_ctx.term()  # sends what is queued, up to the socket's linger
@@ -75,13 +92,24 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     ctx.term()
 
 
+@dataclass
+class StopSequences:
+    """Output processor -> core loop: these sequences met a stop string; they end as "stop"."""
+
+    sequence_ids: list[str]
+
+
+# What the output processor takes: a request to follow, aborts, a refused request, or a step's outputs.
+ProcessorTask = AddRequest | AbortRequests | RequestFailed | list[EngineCoreOutput] | Shutdown
+
+
 class _CoreServer:
     def __init__(self, ctx: zmq.Context, core: EngineCore, processor: OutputProcessor, input_address: str,
                  events: zmq.Socket, parent_pid: int, stall_timeout: float) -> None:
         self.ctx, self.core, self.processor = ctx, core, processor
         self.input_address, self.events, self.parent_pid = input_address, events, parent_pid
-        self.to_core: queue.Queue[CoreCommand] = queue.Queue()
-        self.to_processor: queue.Queue[tuple[str, object]] = queue.Queue()
+        self.to_core: queue.Queue[CoreCommand | StopSequences] = queue.Queue()
+        self.to_processor: queue.Queue[ProcessorTask] = queue.Queue()
         self.outbox = "inproc://slotserve-outbox"
         self.fatal: str | None = None  # why a thread died; set once
         self._fatal_lock = threading.Lock()
@@ -103,7 +131,7 @@ class _CoreServer:
             self._die("IPCLoop", e)
             clean = False
         if self.fatal is not None:
-            self.events.send(encode(CoreEvent("dead", message=self.fatal)))
+            self.events.send(encode(Dead(self.fatal)))
             clean = False
         self.events.close(linger=2000)
         if clean:
@@ -126,8 +154,8 @@ class _CoreServer:
         with self._fatal_lock:
             if self.fatal is None:
                 self.fatal = f"{thread} died: {type(e).__name__}: {e}"
-        self.to_core.put(CoreCommand("shutdown"))
-        self.to_processor.put(("shutdown", None))
+        self.to_core.put(Shutdown())
+        self.to_processor.put(Shutdown())
 
     # ---- IPCLoop: socket in, socket out --------------------------------------------------------
 
@@ -199,14 +227,12 @@ class _CoreServer:
         }
 
     def _route(self, command: CoreCommand) -> None:
-        if command.kind == "debug":  # answered here, not by the core loop, which may be the one stuck
-            self.events.send(encode(CoreEvent("debug", debug=self.snapshot(), token=command.token)))
+        if isinstance(command, GetDebug):  # answered here, not by the core loop, which may be the one stuck
+            self.events.send(encode(Debug(command.token, self.snapshot())))
             return
-        if command.kind == "add":
+        if isinstance(command, AddRequest | AbortRequests):
             # The output processor learns of a request before the core can produce anything for it.
-            self.to_processor.put(("add", command.request))
-        elif command.kind == "abort":
-            self.to_processor.put(("abort", command.request_ids))
+            self.to_processor.put(command)
         self.to_core.put(command)
 
     # ---- EngineCoreLoop: schedule, run, sample --------------------------------------------------
@@ -227,7 +253,7 @@ class _CoreServer:
                         commands.append(self.to_core.get_nowait())
                     except queue.Empty:
                         break
-                if any(c.kind == "shutdown" for c in commands):
+                if any(isinstance(c, Shutdown) for c in commands):
                     break
                 for command in commands:
                     self._apply(command, outbox)
@@ -237,13 +263,13 @@ class _CoreServer:
                         time.sleep(faults.STALL_SECONDS)
                     outputs = self.core.step()
                     if outputs:
-                        self.to_processor.put(("outputs", outputs))
-            self.to_processor.put(("shutdown", None))  # after the outputs before it: a clean stop
+                        self.to_processor.put(outputs)
+            self.to_processor.put(Shutdown())  # after the outputs before it: a clean stop
         finally:
             outbox.close(linger=1000)
 
-    def _apply(self, command: CoreCommand, outbox: zmq.Socket) -> None:
-        if command.kind == "add":
+    def _apply(self, command: CoreCommand | StopSequences, outbox: zmq.Socket) -> None:
+        if isinstance(command, AddRequest):
             added = []
             try:
                 for seq in command.request.sequences:
@@ -251,11 +277,13 @@ class _CoreServer:
                     added.append(seq.request_id)
             except ValueError as e:  # all of the request's sequences or none; the processor forgets it
                 self.core.abort_requests(added)
-                self.to_processor.put(("reject", (command.request.request_id, str(e))))
-        elif command.kind in ("abort", "stop"):
-            self.core.abort_requests(command.sequence_ids or [], reason="abort" if command.kind == "abort" else "stop")
-        elif command.kind == "stats":
-            outbox.send(encode(CoreEvent("stats", stats=self.core.stats(), token=command.token)))
+                self.to_processor.put(RequestFailed(command.request.request_id, str(e)))
+        elif isinstance(command, AbortRequests):
+            self.core.abort_requests(command.sequence_ids, reason="abort")
+        elif isinstance(command, StopSequences):
+            self.core.abort_requests(command.sequence_ids, reason="stop")
+        elif isinstance(command, GetStats):
+            outbox.send(encode(Stats(command.token, self.core.stats())))
 
     # ---- OutputProcessor: text, stop strings, deltas ----------------------------------------------
 
@@ -264,27 +292,25 @@ class _CoreServer:
         outbox.connect(self.outbox)
         try:
             while True:
-                kind, payload = self.to_processor.get()
-                if kind == "shutdown":
+                task = self.to_processor.get()
+                if isinstance(task, Shutdown):
                     if self.fatal is None:
                         outbox.send(b"")
                     break
-                if kind == "add":
-                    self.processor.add_request(payload)
-                elif kind == "abort":
-                    for request_id in payload:
+                if isinstance(task, AddRequest):
+                    self.processor.add_request(task.request)
+                elif isinstance(task, AbortRequests):
+                    for request_id in task.request_ids:
                         self.processor.abort_request(request_id)
-                elif kind == "reject":
-                    request_id, message = payload
-                    self.processor.abort_request(request_id)
-                    outbox.send(encode(CoreEvent("error", request_id=request_id, message=message)))
+                elif isinstance(task, RequestFailed):
+                    self.processor.abort_request(task.request_id)
+                    outbox.send(encode(task))
                 else:
                     faults.check(FaultPoint.OUTPUT)
-                    processed = self.processor.process(payload)
+                    processed = self.processor.process(task)
                     if processed.stopped:
-                        self.to_core.put(CoreCommand("stop", sequence_ids=processed.stopped))
+                        self.to_core.put(StopSequences(processed.stopped))
                     if processed.request_outputs or processed.embeddings:
-                        outbox.send(encode(CoreEvent("outputs", outputs=processed.request_outputs,
-                                                     embeddings=processed.embeddings)))
+                        outbox.send(encode(Outputs(processed.request_outputs, processed.embeddings)))
         finally:
             outbox.close(linger=1000)

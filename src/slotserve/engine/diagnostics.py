@@ -1,6 +1,6 @@
-"""Seeing inside a running engine (seed 003's diagnosis, built in): each thread's current stack and CPU share,
-the recent steps and where their time went, and a watchdog that reports a core loop that stopped stepping
-while it had work.
+"""Seeing inside a running engine (the diagnosis of a stalled core loop, built in): each thread's current
+stack and CPU share, the recent steps and where their time went, and a watchdog that reports a core loop that
+stopped stepping while it had work.
 
 Everything here is read from the outside of the thread it describes (`sys._current_frames`, /proc), so a snapshot
 can be taken while the core loop is stuck: that is when it matters.

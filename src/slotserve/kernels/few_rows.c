@@ -329,17 +329,14 @@ static long take_pair(pair_run *run, int back) {
 /* out = x @ w^T + bias for a narrow weight and at most FEW rows, where this beats AMX's fixed work per tile
    of rows (a tile of 16 rows however few are real), and where there is no AMX. One thread's loads alone
    keep too few lines in flight to stream DRAM: fetching each block FEW_AHEAD bytes ahead into L2 measured
-   1.8x on the default model's narrow linears (with 16-bit products; 8-64 KB ahead alike), and a line at a
-   time beside the loads, not a block's 16 lines at its start, 1.01-1.06x more. x is split into
-   digits in the same parallel region: split first by the caller alone, a down projection's call (K = 4864)
-   took ~3 us longer.
+   1.8x on the default model's narrow linears, and fetching a line at a time beside the loads, not a block's
+   16 lines at its start, keeps the stream steadier. x is split into digits in the same parallel region, not
+   first by the caller alone, which would leave the other threads waiting meanwhile.
    Each thread streams one contiguous run of the pairs, and takes the others' last pairs once it is done
    (`take_pair`), so the thread held up (by the other tenants' memory traffic, say) is waited for a pair at
-   most. Under a guided schedule, the one whose first chunk (half of the pairs, with 2 threads) ran slow was
-   waited for at each call's end: 2.7-3.4 % of the threads' time in a batch-1 decode step (a static split
-   5.7 %), 0.8 % with these runs; decode steps 1.01-1.04x (rounds of steps alternated). Dynamic runs of 4-16
-   pairs measured 0.89-1.01x against guided (each run's prefetches fall in the next pairs, which the other
-   thread may take). A pair's bits are the same on any thread.
+   most. A static or guided schedule waits at each call's end for the thread whose chunk ran slow, and
+   dynamic runs of a few pairs lose their prefetches to pairs the other thread takes; these runs leave the
+   threads the least time waiting. A pair's bits are the same on any thread.
    More than FEW rows go through each pair FEW at a time, the pair's weights found in L2 after the first: the
    bits of a row are the same in a call of any size. Returns 0; -1 without memory for the split rows; -2 for a
    packing that is not narrow (the caller's other paths take those). */

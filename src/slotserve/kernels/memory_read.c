@@ -1,8 +1,8 @@
 /* The machine's memory read rate: a sum over a buffer far larger than the caches, on every thread, as
    plain vector loads into independent accumulators. What bounds a decode step that streams its weights.
 
-   torch's `sum` over the same buffer read ~20 % slower (2-vCPU Xeon, same minutes, medians of eight turns:
-   22.8 vs 28.6 GB/s), so it understated the bound a kernel is held to. */
+   torch's `sum` over the same buffer reads ~20 % slower, so it would understate the bound a kernel is held
+   to. */
 
 #include "vector.h"
 

@@ -19,8 +19,8 @@
    rank it waits for is still there (its pid is beside its flag), so a rank that died fails the round at
    once instead of at the deadline.
 
-   The ranks' constants travel in one struct: ctypes converts each argument of a call anew, ~0.2 us
-   apiece, where a whole round of 896 floats between two ranks takes ~2 us. */
+   The ranks' constants travel in one struct: ctypes converts each argument of a call anew, each costing
+   about a tenth of a whole round of 896 floats between two ranks. */
 
 #include <sched.h>
 #include <stdatomic.h>
@@ -42,9 +42,9 @@
    pair would bounce between the cores as if they shared a line. */
 #define FLAG_STRIDE 128
 #define DATA_ALIGN 4096
-/* ~1-2 us of pauses (one is ~20 ns on a Sapphire Rapids VM), about a round when every rank has a core.
-   With 4 ranks on 2 cores a round of 896 floats took 5.8 us with 64, 6.6 us with 100 (or none), 14 us
-   with 500 and 40 us with 2000. */
+/* Pauses for about a round's time when every rank has a core. Where ranks outnumber the cores, longer
+   spinning keeps the rank waited for off its core (with 4 ranks on 2 cores, 500 spins made a round over
+   twice as slow as 64). */
 #define SPINS_BEFORE_YIELD 64
 #define BLOCK 2048 /* elements summed together: the partial sums stay in L1 across the ranks' slots */
 #define LIVENESS_S 0.05 /* how often a waiting rank looks for the process it waits for (~10 us a look) */

@@ -8,7 +8,7 @@ the weight's form.
   from PANEL_ROWS on through unpacked panels; a bfloat16 packing's from AMX_MIN_ROWS on, on AMX.
 - Other calls of NATIVE_ROWS (decode steps) go to the small GEMM (kernels/small_gemm.c), which reads each
   weight once, where a BLAS library copies every weight into its panel layout on each call before reading it
-  again (8 rows of the default model's weights: 122 vs 224 ms a step). Where it is not built, TRANSPOSED_ROWS
+  again (8 rows of the default model's weights: 1.8x as fast a step). Where it is not built, TRANSPOSED_ROWS
   go through BLAS as W @ x^T, faster there than x @ W^T.
 - More rows (prefill, where the panel copy pays for itself) go to oneDNN's matmul where torch has it, else to
   torch's own.

@@ -120,7 +120,7 @@ class SamplerOutput:
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax of [B, V] logits (the first index among ties)."""
     # max(dim).indices is several times faster than torch's argmax on a CPU, and the native kernel ~5x
-    # faster again (32 x 151,936: 5.6 ms in torch).
+    # faster again.
     if logits.shape[1] and kernels.applies(logits):
         return kernels.argmax(logits)
     return logits.max(dim=-1).indices

@@ -464,8 +464,8 @@ def tokenizer_config(g: GGUFFile) -> dict[str, Any]:
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, pool: ThreadPool | None = None) -> None:
     """Write a Hugging Face-layout directory (config, float32 safetensors, tokenizer) for a GGUF model.
 
-    `pool` (default `get_pool()`, sized by `--threads`) dequantizes and writes the weights. On the
-    shared 2-core dev machine, 2 threads took the default model from ~7.8 s to ~7.0 s.
+    `pool` (default `get_pool()`, sized by `--threads`) dequantizes and writes the weights, so the
+    conversion uses every core it is given.
 
     Everything is checked before the slow dequantization starts, built in a temporary sibling
     directory and renamed into place, so `out_dir` either does not exist or is complete.

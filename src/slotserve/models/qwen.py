@@ -71,9 +71,9 @@ class QwenAttention(nn.Module):
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
-# On the CPU a long prefill's MLP runs this many rows at a time: MKL's GEMM rate falls past ~512 rows of
-# these shapes (the default model's gate/up at 1024 rows: 227 vs 297 GFLOP/s at 512), and the gate/up
-# output of a smaller piece is still cached when SwiGLU reads it. 1024 rows: 114 vs 125 ms per layer.
+# On the CPU a long prefill's MLP runs this many rows at a time: MKL's GEMM rate on these shapes falls by
+# about a quarter past ~512 rows, and the gate/up output of a smaller piece is still cached when SwiGLU
+# reads it.
 MLP_ROWS = 512
 
 

@@ -7,30 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-@dataclass
-class ImageInput:
-    """One image of a prompt as it crosses to the engine core (plain fields: msgspec encodes it)."""
-
-    offset: int  # the prompt index of its first image token
-    num_tokens: int  # its image tokens, one per 2x2 window of patches
-    grid_thw: tuple[int, int, int]  # frames, rows and columns of patches
-    pixels: bytes  # its pixel_values, float32 rows of patch values
-    content_hash: str  # of the decoded image: two different images never share cached blocks
-
-    @classmethod
-    def of(cls, offset: int, num_tokens: int, grid_thw: tuple[int, int, int], pixel_values: torch.Tensor,
-           content_hash: str) -> ImageInput:
-        pixels = pixel_values.to(torch.float32).contiguous().numpy().tobytes()
-        return cls(offset, num_tokens, tuple(grid_thw), pixels, content_hash)
-
-    def pixel_values(self) -> torch.Tensor:
-        t, h, w = self.grid_thw
-        return torch.frombuffer(bytearray(self.pixels), dtype=torch.float32).view(t * h * w, -1)
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.num_tokens
+from slotserve.multimodal.image_input import ImageInput
 
 
 @dataclass

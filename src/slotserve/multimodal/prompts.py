@@ -11,6 +11,7 @@ from pathlib import Path
 from PIL import Image
 
 from slotserve.config import ModelConfig
+from slotserve.multimodal.image_input import ImageInput
 from slotserve.multimodal.image_processor import (
     ImageError,
     ImageProcessorConfig,
@@ -18,7 +19,6 @@ from slotserve.multimodal.image_processor import (
     load_image,
     process_image,
 )
-from slotserve.multimodal.inputs import ImageInput
 
 # What a prompt may carry as an image: an encoded file's bytes, a path or data: URL, a PIL image, or one
 # already processed.

@@ -1,5 +1,5 @@
-"""Micro-batch overlap (seed 001): one step run as N micro-batches, each on a thread of its own, so that while
-one computes, another's collectives are in flight.
+"""Micro-batch overlap (as vLLM's dual-batch overlap, `--enable-dbo`): one step run as N micro-batches, each
+on a thread of its own, so that while one computes, another's collectives are in flight.
 
 The N threads and the caller meet at a `threading.Barrier(N + 1)`; then the turn goes around a ring, 0, 1,
 ..., N - 1, 0, ...: exactly one micro-batch computes at a time (they share the cores, torch's threads and

@@ -52,9 +52,9 @@ def interleaved(limit: Callable[[], object], work: Callable[[], object], repeats
 
 def resident(engine: LLMEngine, table: list[int]) -> None:
     """Faults in the KV cache pages of a table's blocks (zeroing what they hold), as a server's are once it
-    has run a while: the cache is faulted in lazily, and the first write into a 2 MB page costs 3.4-5 ms on
-    this VM, which in a round of batch-1 steps (each writing a new position into every layer's keys and
-    values) came to ~0.3-0.5 ms a step (1-2 %) of page faults, not of decoding."""
+    has run a while: the cache is faulted in lazily, and on fresh pages a round of batch-1 steps (each writing
+    a new position into every layer's keys and values) spends 1-2 % of its time on page faults, not on
+    decoding."""
     runner = engine.runner
     indices = torch.tensor(cache_indices(table, 0, len(table) * runner.block_size, runner.block_size))
     runner.k_cache[:, indices] = 0
@@ -89,7 +89,7 @@ def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
     bandwidth_torch_sum = READ_BYTES / median_seconds(buffer.sum, 3)
     bandwidth_4k = READ_BYTES / median_seconds(read_pass(read_buffer(huge_pages=False)), 3)
     body, head, weight_bytes = linear_params(core.model)
-    kv_per_token = runner.cache_bytes_per_token(cfg, core.dtype)
+    kv_per_token = runner.cache_bytes_per_token(cfg, core.worker.dtype)
 
     def attention_flops(queries: int, context: float) -> float:
         return attention_pair_flops(cfg) * queries * context
@@ -144,7 +144,7 @@ def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
     decode_bound = bandwidth / decode_bytes
     return {
         "bench": "kernels", "model": engine.config.model, "device": str(core.device),
-        "dtype": str(core.dtype).removeprefix("torch."), "quantization": engine.config.quantization,
+        "dtype": str(core.worker.dtype).removeprefix("torch."), "quantization": engine.config.quantization,
         "threads": torch.get_num_threads(),
         # Which code ran: the native kernels (kernels/) or torch's operators in their place.
         "decode_attention": runner.decode_mode, "native_small_gemm": runner.native_gemm,

@@ -8,7 +8,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import HistogramMetricFamily
 
-from slotserve.engine.engine_core import EngineStats
+from slotserve.engine.protocol import EngineStats
 from slotserve.outputs import RequestOutput
 
 logger = logging.getLogger("slotserve")

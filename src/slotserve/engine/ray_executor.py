@@ -19,8 +19,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slotserve.config import EngineConfig
-from slotserve.distributed.executor import Executor, WorkerError
-from slotserve.distributed.worker import WorkerSpec, run_worker
+from slotserve.engine.executor import Executor, WorkerError
+from slotserve.engine.worker_process import WorkerSpec, run_worker
 
 logger = logging.getLogger("slotserve")
 

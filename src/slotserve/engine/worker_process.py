@@ -1,17 +1,18 @@
-"""A worker: one rank (1 .. N-1) of a model split over N, the driver (rank 0) being the engine core itself.
+"""A worker process: one rank (1 .. N-1) of a model split over N, the driver (rank 0) being the engine core.
 
-It joins the ranks' process group, loads its part of the checkpoint, allocates its part of the KV cache when
-the driver says how many blocks, then runs every step the driver sends it: the same forward pass on its
+Its `Worker` (engine/worker.py) loads its part of the checkpoint and allocates its part of the KV cache when
+the driver says how many blocks; then it runs every step the driver sends it: the same forward pass on its
 heads and rows, meeting the other ranks at each collective. It sends nothing back per step (the driver
 gathers the logits through the process group). It ends on the driver's word, when the driver is gone, or on
 any error, which it reports first. Started as a process (executor.py's `MultiprocExecutor`: `main`) or
-as a Ray actor (distributed/ray_executor.py).
+as a Ray actor (engine/ray_executor.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import enum
 import json
 import logging
 import os
@@ -22,20 +23,14 @@ import traceback
 from dataclasses import asdict, dataclass
 
 import msgspec
-import torch
 import zmq
 
-from slotserve.config import EngineConfig, parse_device, parse_dtype
-from slotserve.distributed.group import ModelParallel
-from slotserve.distributed.process_groups import init_rank_group, lanes, leave_rank_group
-from slotserve.engine import faults
-from slotserve.engine.faults import FaultPoint
-from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, UbatchPolicy
-from slotserve.layers.quantization import quantize_int8
-from slotserve.models.loader import load_model
+from slotserve import faults
+from slotserve.config import EngineConfig
+from slotserve.engine.model_runner import ScheduledSeq
+from slotserve.engine.worker import Rank, Worker
+from slotserve.faults import FaultPoint
 from slotserve.parallel import timeline
-from slotserve.parallel.cpu import apply_cpu_settings
-from slotserve.parallel.threadpool import default_threads
 
 logger = logging.getLogger("slotserve")
 
@@ -53,19 +48,25 @@ class Step(msgspec.Struct, tag=True):
     seqs: list[ScheduledSeq]
 
 
-class Shutdown(msgspec.Struct, tag=True):
+class StopWorker(msgspec.Struct, tag=True):
     pass
 
 
+class ReportKind(enum.Enum):
+    LOADED = "loaded"  # its part of the weights is loaded
+    READY = "ready"  # its cache is allocated
+    ERROR = "error"  # it failed, `message` says why; it exits
+
+
 class Report(msgspec.Struct):
-    """Worker -> driver: "loaded", "ready" (its cache is allocated) or "error" (with why; it exits)."""
+    """Worker -> driver."""
 
     rank: int
-    kind: str
+    kind: ReportKind
     message: str = ""
 
 
-ToWorker = AllocateCache | Step | Shutdown
+ToWorker = AllocateCache | Step | StopWorker
 _encoder = msgspec.msgpack.Encoder()
 _to_worker = msgspec.msgpack.Decoder(ToWorker)
 _report = msgspec.msgpack.Decoder(Report)
@@ -79,7 +80,7 @@ def decode_report(data: bytes) -> Report:
     return _report.decode(data)
 
 
-# ---- the worker ------------------------------------------------------------------------------
+# ---- the worker process ----------------------------------------------------------------------
 
 
 @dataclass
@@ -104,20 +105,9 @@ class WorkerSpec:
         return cls(**json.loads(text))
 
 
-def rank_cpu_settings(config: EngineConfig, rank: int) -> tuple[int, tuple[int, ...] | None]:
-    """Threads and cores of rank `rank` of a model on this host: the cores split evenly between the ranks
-    (the given `cpu_affinity`, else all this process may use), each rank pinned to its share where every
-    rank gets at least one core; else the ranks share them, `threads` each (default 1)."""
-    ranks = config.tensor_parallel_size
-    cores = list(config.cpu_affinity or sorted(os.sched_getaffinity(0)))
-    per_rank = len(cores) // ranks
-    if per_rank >= 1:
-        mine = tuple(cores[rank * per_rank:(rank + 1) * per_rank])
-        return config.threads or len(mine), mine
-    return config.threads or max(1, default_threads() // ranks), None
+class WorkerProcess:
+    """A remote rank's life: a `Worker`, driven over the driver's socket."""
 
-
-class Worker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         self.config = EngineConfig(**spec.config)
@@ -129,14 +119,13 @@ class Worker:
         self.errors = self.ctx.socket(zmq.PUSH)
         self.errors.setsockopt(zmq.LINGER, 2000)
         self.errors.connect(spec.errors)
-        self.group = None
-        self.runner: ModelRunner | None = None
+        self.worker: Worker | None = None
         self.timeline_path = timeline.record_from_env(spec.rank)  # a benchmark's
 
-    def report(self, kind: str, message: str = "") -> None:
+    def report(self, kind: ReportKind, message: str = "") -> None:
         data = encode(Report(self.spec.rank, kind, message))
         self.channel.send(data)
-        if kind == "error":
+        if kind is ReportKind.ERROR:
             self.errors.send(data)
 
     def driver_alive(self) -> bool:
@@ -150,37 +139,25 @@ class Worker:
         return _to_worker.decode(self.channel.recv())
 
     def load(self) -> None:
-        config, spec = self.config, self.spec
-        threads, cores = rank_cpu_settings(config, spec.rank) if spec.pin_cores else (config.threads, None)
-        apply_cpu_settings(threads, cores)
-        device = parse_device(config.device)
-        if device.type == "cuda":
-            device = torch.device("cuda", spec.rank % torch.cuda.device_count())
-            torch.cuda.set_device(device)
-        torch.manual_seed(config.seed)
-        self.group = init_rank_group(spec.rank, spec.world_size, spec.init_method, device, config.distributed_timeout,
-                                     lanes=lanes(config))
-        parallel = ModelParallel(self.group, config.enable_expert_parallel, config.expert_comm)
-        self.model, self.model_config = load_model(spec.model_path, parse_dtype(config.dtype, device), device,
-                                                   config.max_model_len, parallel)
-        if config.quantization == "int8":
-            quantize_int8(self.model)
-        self.report("loaded")
+        spec = self.spec
+        self.worker = Worker(self.config, spec.model_path,
+                             Rank(spec.rank, spec.world_size, spec.init_method, spec.pin_cores))
+        self.report(ReportKind.LOADED)
 
     def serve(self) -> None:
         """Steps until the driver says stop or is gone."""
+        runner = None
         while (message := self.receive()) is not None:
-            if isinstance(message, Shutdown):
+            if isinstance(message, StopWorker):
                 return
             if isinstance(message, AllocateCache):
-                self.runner = ModelRunner(self.model, self.model_config, message.num_blocks, self.config.block_size,
-                                          ubatching=UbatchPolicy.of(self.config), prefill=self.config.prefill_precision)
-                self.report("ready")
+                runner = self.worker.allocate_cache(message.num_blocks)
+                self.report(ReportKind.READY)
                 continue
             faults.check(FaultPoint.WORKER_STEP)
             if faults.fires(FaultPoint.WORKER_HANG):
                 self._hang()
-            self.runner.execute(message.seqs)
+            runner.execute(message.seqs)
 
     def _hang(self) -> None:
         """A worker that stops answering (a test's fault): it waits, out of every collective, until its
@@ -192,8 +169,8 @@ class Worker:
     def close(self) -> None:
         if self.timeline_path is not None:
             timeline.active().save(self.timeline_path)
-        if self.group is not None:
-            leave_rank_group(self.group)
+        if self.worker is not None:
+            self.worker.close()
         self.channel.close()
         self.errors.close()
         self.ctx.term()
@@ -207,17 +184,17 @@ def _die_with_parent() -> None:
 
 def run_worker(spec: WorkerSpec) -> int:
     """A worker's whole life; its exit code."""
-    worker = Worker(spec)
+    process = WorkerProcess(spec)
     try:
-        worker.load()
-        worker.serve()
+        process.load()
+        process.serve()
         return 0
     except Exception as e:
         logger.error("rank %d died: %s\n%s", spec.rank, e, traceback.format_exc())
-        worker.report("error", f"rank {spec.rank}: {type(e).__name__}: {e}")
+        process.report(ReportKind.ERROR, f"rank {spec.rank}: {type(e).__name__}: {e}")
         return 1
     finally:
-        worker.close()
+        process.close()
 
 
 def main() -> None:

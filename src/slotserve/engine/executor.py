@@ -8,7 +8,7 @@ the tensors travel only through the process group's collectives.
 
 - `MultiprocExecutor` (`mp`): worker processes on this machine, children of the engine core; the kernel
   kills them when it dies (PR_SET_PDEATHSIG), and they exit when their parent changes.
-- `RayExecutor` (`ray`, distributed/ray_executor.py): the same workers as Ray actors in a placement group,
+- `RayExecutor` (`ray`, engine/ray_executor.py): the same workers as Ray actors in a placement group,
   on any machines of a Ray cluster.
 """
 
@@ -28,8 +28,16 @@ import zmq
 from slotserve.config import EngineConfig, ExecutorBackend
 from slotserve.distributed.process_groups import free_port
 from slotserve.distributed.shm_all_reduce import CollectiveTimeoutError, RankGoneError
-from slotserve.distributed.worker import AllocateCache, Shutdown, Step, WorkerSpec, decode_report, encode
 from slotserve.engine.model_runner import ScheduledSeq
+from slotserve.engine.worker_process import (
+    AllocateCache,
+    ReportKind,
+    Step,
+    StopWorker,
+    WorkerSpec,
+    decode_report,
+    encode,
+)
 from slotserve.parallel.ubatch import UbatchError
 
 logger = logging.getLogger("slotserve")
@@ -93,7 +101,7 @@ class Executor(ABC):
 
     # ---- driving them --------------------------------------------------------------------------
 
-    def wait_for(self, kind: str, timeout_s: float | None = None) -> None:
+    def wait_for(self, kind: ReportKind, timeout_s: float | None = None) -> None:
         """Waits for each worker's `kind` report; WorkerError on an error report, a worker gone, or the
         timeout."""
         waiting = set(self.ranks)
@@ -101,20 +109,20 @@ class Executor(ABC):
         while waiting:
             if self.channel.poll(int(_POLL_S * 1000)):
                 report = decode_report(self.channel.recv_multipart()[-1])
-                if report.kind == "error":
+                if report.kind is ReportKind.ERROR:
                     raise WorkerError(report.message)
-                if report.kind == kind:
+                if report.kind is kind:
                     waiting.discard(report.rank)
                 continue
             if gone := self.exited():
                 raise WorkerError("; ".join(gone))
             if deadline is not None and time.monotonic() > deadline:
-                raise WorkerError(f"ranks {sorted(waiting)} did not report {kind!r} within {timeout_s:.0f} s")
+                raise WorkerError(f"ranks {sorted(waiting)} did not report {kind.value!r} within {timeout_s:.0f} s")
 
     def allocate_cache(self, num_blocks: int) -> None:
         """Every rank's cache holds the driver's number of blocks (each block its own KV heads)."""
         self._send(encode(AllocateCache(num_blocks)))
-        self.wait_for("ready", self.config.distributed_timeout)
+        self.wait_for(ReportKind.READY, self.config.distributed_timeout)
 
     def send_step(self, seqs: list[ScheduledSeq]) -> None:
         self._send(encode(Step(seqs)))
@@ -154,7 +162,7 @@ class Executor(ABC):
         while time.monotonic() < deadline:
             if self.channel.poll(int(_POLL_S * 1000)):
                 report = decode_report(self.channel.recv_multipart()[-1])
-                if report.kind == "error":
+                if report.kind is ReportKind.ERROR:
                     return WorkerError(report.message)
             elif gone := self.exited():
                 return WorkerError("; ".join(gone))
@@ -170,7 +178,7 @@ class Executor(ABC):
         atexit.unregister(self.shutdown)
         try:
             for rank in self.ranks:
-                self.channel.send_multipart([str(rank).encode(), encode(Shutdown())], zmq.NOBLOCK)
+                self.channel.send_multipart([str(rank).encode(), encode(StopWorker())], zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # one is gone already: stop ends the rest
         self.stop(grace_s=5.0)
@@ -188,7 +196,7 @@ class MultiprocExecutor(Executor):
 
     def launch(self, specs: list[WorkerSpec]) -> None:
         env = {**os.environ, "SLOTSERVE_LOG_LEVEL": logging.getLevelName(logger.getEffectiveLevel())}
-        entry = "from slotserve.distributed.worker import main; main()"
+        entry = "from slotserve.engine.worker_process import main; main()"
         self.processes = {spec.rank: subprocess.Popen([sys.executable, "-c", entry, spec.to_json()], env=env)
                           for spec in specs}
 
@@ -213,7 +221,7 @@ class MultiprocExecutor(Executor):
 
 def start_executor(config: EngineConfig, model_path: Path) -> Executor:
     if config.distributed_executor_backend is ExecutorBackend.RAY:
-        from slotserve.distributed.ray_executor import RayExecutor
+        from slotserve.engine.ray_executor import RayExecutor
 
         return RayExecutor(config, model_path)
     return MultiprocExecutor(config, model_path)

@@ -1,55 +1,27 @@
-"""What crosses from the front end into the engine core, what comes back, and the core's per-request
-slot: everything the engine knows about one sequence, and nothing shared with others."""
+"""A sequence's slot in the engine core: everything the engine knows about one sequence (its tokens, blocks,
+sampling state, images), and nothing shared with others, so sequences interleave in any order."""
 
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from slotserve.layers.sampler import SamplingState
-from slotserve.multimodal.inputs import ImageInput, RequestImages
+from slotserve.multimodal.inputs import RequestImages
 from slotserve.outputs import PositionLogprobs
 from slotserve.pooling_params import PoolingParams
 from slotserve.sampling_params import SamplingParams
 
 
-@dataclass
-class EngineCoreRequest:
-    """One sequence to sample. A user request with n > 1 becomes n of these, each with its own id."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    max_tokens: int  # resolved against the context limit by the input processor
-    arrival_time: float = field(default_factory=time.time)
-    pooling: PoolingParams | None = None  # an embedding request: prefill only, one vector out
-    images: list[ImageInput] = field(default_factory=list)  # in prompt order, their tokens in place
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one step produced for one sequence."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[PositionLogprobs] | None = None
-    prompt_logprobs: list[PositionLogprobs | None] | None = None  # sent once, with the first token
-    finish_reason: str | None = None  # "stop" (EOS or a stop token) | "length"
-    stop_reason: int | None = None  # the stop token id, when one ended it
-    num_cached_tokens: int = 0
-    embedding: list[float] | None = None  # an embedding request's vector
-
-
-class RequestStatus(enum.Enum):
+class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
 
 
 @dataclass
-class Request:
-    """The slot of one sequence inside the engine core."""
+class Sequence:
+    """One sequence inside the engine core (a user request with n > 1 has n)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -63,7 +35,7 @@ class Request:
     num_registered_blocks: int = 0  # leading blocks already in the prefix cache
     num_cached_tokens: int = 0  # tokens taken from the prefix cache instead of computed
     num_preemptions: int = 0
-    status: RequestStatus = RequestStatus.WAITING
+    status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     pooling: PoolingParams | None = None
@@ -90,7 +62,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
+        return self.status is SequenceStatus.FINISHED
 
     def finish(self, reason: str) -> None:
-        self.status, self.finish_reason = RequestStatus.FINISHED, reason
+        self.status, self.finish_reason = SequenceStatus.FINISHED, reason

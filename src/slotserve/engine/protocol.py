@@ -1,0 +1,156 @@
+"""The engine core's boundary: the requests it takes, the outputs it gives, and the messages between the front
+end and the engine-core process with their msgpack encoding.
+
+Torch-free (a test imports it alone), so the front end needs nothing of the core to speak to it. Each message
+is its own msgspec struct, tagged with its class name: a decoder knows every kind, and nothing but the declared
+fields can cross (no pickle).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from slotserve.multimodal.image_input import ImageInput
+from slotserve.outputs import EmbeddingOutput, PositionLogprobs, RequestOutput
+from slotserve.pooling_params import PoolingParams
+from slotserve.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineCoreRequest:
+    """One sequence to sample. A user request with n > 1 becomes n of these, each with its own id."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved against the context limit by the input processor
+    arrival_time: float = field(default_factory=time.time)
+    pooling: PoolingParams | None = None  # an embedding request: prefill only, one vector out
+    images: list[ImageInput] = field(default_factory=list)  # in prompt order, their tokens in place
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one sequence."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # sent once, with the first token
+    finish_reason: str | None = None  # "stop" (EOS or a stop token) | "length" | "abort"
+    stop_reason: int | None = None  # the stop token id, when one ended it
+    num_cached_tokens: int = 0
+    embedding: list[float] | None = None  # an embedding request's vector
+
+
+@dataclass
+class ProcessedRequest:
+    """A user request, tokenized and validated by the front end: its sequences for the core, and what the
+    output processor needs to turn their tokens into the user's outputs."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[EngineCoreRequest]  # one per sample (n), with ids "<request_id>#<index>"
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    num_blocks: int
+    num_free_blocks: int
+    max_model_len: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+
+
+# ---- front end -> engine core ---------------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, tag=True):
+    request: ProcessedRequest
+
+
+class AbortRequests(msgspec.Struct, tag=True):
+    request_ids: list[str]  # the user requests, for the output processor
+    sequence_ids: list[str]  # their sequences in the core
+
+
+class GetStats(msgspec.Struct, tag=True):
+    token: int  # echoed in the reply
+
+
+class GetDebug(msgspec.Struct, tag=True):
+    token: int
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+CoreCommand = AddRequest | AbortRequests | GetStats | GetDebug | Shutdown
+
+
+# ---- engine core -> front end ---------------------------------------------------------------------
+
+
+class Ready(msgspec.Struct, tag=True):
+    """The model is loaded; the limits the front end validates against."""
+
+    max_model_len: int
+    vocab_size: int
+    hidden_size: int
+    task: str
+
+
+class Outputs(msgspec.Struct, tag=True):
+    outputs: list[RequestOutput]
+    embeddings: list[EmbeddingOutput]
+
+
+class Stats(msgspec.Struct, tag=True):
+    token: int
+    stats: EngineStats
+
+
+class Debug(msgspec.Struct, tag=True):
+    token: int
+    snapshot: dict[str, Any]  # the engine process's threads, queues, scheduler and steps (engine/diagnostics.py)
+
+
+class RequestFailed(msgspec.Struct, tag=True):
+    """The core refused a request the front end let through (ValueError's message)."""
+
+    request_id: str
+    message: str
+
+
+class Dead(msgspec.Struct, tag=True):
+    """The engine core ended (failed to start, or a thread died): why."""
+
+    message: str
+
+
+CoreEvent = Ready | Outputs | Stats | Debug | RequestFailed | Dead
+
+_encoder = msgspec.msgpack.Encoder()
+_command_decoder = msgspec.msgpack.Decoder(CoreCommand)
+_event_decoder = msgspec.msgpack.Decoder(CoreEvent)
+
+
+def encode(message: CoreCommand | CoreEvent) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_command(data: bytes) -> CoreCommand:
+    return _command_decoder.decode(data)
+
+
+def decode_event(data: bytes) -> CoreEvent:
+    return _event_decoder.decode(data)
