@@ -149,7 +149,7 @@ def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
         # Which code ran: the native kernels (kernels/) or torch's operators in their place.
         "decode_attention": runner.decode_mode, "native_small_gemm": runner.native_gemm,
         "native_row_ops": runner.native_row_ops, "fused_decode": runner.fused is not None,
-        "weights_in_huge_pages": core.weights_in_huge_pages,
+        "weights_in_huge_pages": core.worker.weights_in_huge_pages,
         "memory_read_GBps": round(bandwidth / 1e9, 1), "memory_read_torch_alloc_GBps": round(bandwidth_4k / 1e9, 1),
         "memory_read_torch_sum_GBps": round(bandwidth_torch_sum / 1e9, 1),
         "gemm_fp32_GFLOPs": round(statistics.median([prefill_gemm, batched_gemm]) / 1e9, 1),
