@@ -68,7 +68,7 @@ def test_the_snapshot_shows_the_engine_threads_and_where_they_are(server):
     step = after["steps"][-1]
     assert step["sequences"] == 1 and step["model_seconds"] > 0
     phases = step["schedule_seconds"] + step["model_seconds"] + step["sample_seconds"]
-    assert abs(step["seconds"] - phases) < 1e-6 and step["seconds"] < 60  # the step's own time, its phases' sum
+    assert abs(step["seconds"] - phases) < 1e-6  # the step's own time is its phases' sum
 
 
 def test_the_watchdog_reports_a_stalled_core_loop(tiny_qwen3):
@@ -79,10 +79,9 @@ def test_the_watchdog_reports_a_stalled_core_loop(tiny_qwen3):
         result = {}
         worker = threading.Thread(target=lambda: result.update(r=httpx.post(
             f"{s.url}/v1/completions", timeout=60, json={"prompt": "hi", "max_tokens": 8, "ignore_eos": True})))
-        started = time.monotonic()
         worker.start()
-        while "without finishing a step" not in s.output():
-            assert time.monotonic() - started < 5, s.output()
+        while "without finishing a step" not in s.output():  # reported while the step is still stalled
+            assert worker.is_alive(), s.output()
             time.sleep(0.1)
         report = s.output().split("EngineCoreLoop has had work for 1 s without finishing a step")[1]
         assert "thread IPCLoop" in report and "thread OutputProcessor" in report

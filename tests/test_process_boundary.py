@@ -73,5 +73,5 @@ def test_every_event_decodes_to_itself(event):
 
 
 def test_a_command_is_not_an_event():
-    with pytest.raises(msgspec.ValidationError, match="Invalid value .Shutdown."):
+    with pytest.raises(msgspec.ValidationError, match=r"Invalid value .Shutdown."):
         protocol.decode_event(protocol.encode(Shutdown()))

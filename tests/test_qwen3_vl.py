@@ -14,8 +14,8 @@ import torch
 from slotserve.config import EngineConfig, ModelConfig
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.model_runner import ScheduledSeq, Want
-from slotserve.multimodal.image_processor import ProcessedImage
 from slotserve.multimodal.image_input import ImageInput
+from slotserve.multimodal.image_processor import ProcessedImage
 from slotserve.multimodal.inputs import rope_positions
 from slotserve.sampling_params import SamplingParams
 from tests.conftest import QWEN_TOKENIZER_DIR

@@ -22,8 +22,8 @@ from ray.util.placement_group import placement_group_table  # noqa: E402
 
 from slotserve import LLM, SamplingParams  # noqa: E402
 from slotserve.engine.executor import WorkerError  # noqa: E402
-from slotserve.engine.ray_executor import RayExecutor  # noqa: E402
 from slotserve.engine.model_runner import ScheduledSeq, Want  # noqa: E402
+from slotserve.engine.ray_executor import RayExecutor  # noqa: E402
 from slotserve.parallel import threadpool  # noqa: E402
 from slotserve.parallel.cpu import restrict_process  # noqa: E402
 

@@ -13,7 +13,15 @@ import jsonschema
 import pytest
 
 from slotserve import LLM, SamplingParams, StructuredOutputsParams
-from slotserve.structured_outputs import GrammarError
+from slotserve.structured_outputs import (
+    INTEGER_BOUND,
+    NUMBER_BOUND,
+    NUMBER_STEP,
+    STRING_MAX_LENGTH,
+    GrammarCompiler,
+    GrammarError,
+    bounded,
+)
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0,
@@ -89,6 +97,76 @@ def test_constrained_output_is_the_same_alone_and_batched(llm):
     params = [SamplingParams(max_tokens=96, temperature=0.8, seed=3, structured_outputs=constraint), *others]
     batched = llm.generate(PROMPTS[:1] + PROMPTS[1:3], params, use_tqdm=False)
     assert batched[0].outputs[0].text == alone
+
+
+def test_open_strings_and_numbers_get_bounds_and_what_the_schema_says_is_kept():
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string"}, "code": {"type": "string", "maxLength": 3},
+        "id": {"type": "string", "pattern": "a+"},
+        "kind": {"type": "string", "enum": ["x", "y"]}, "note": {"type": ["string", "null"], "minLength": 2},
+        "count": {"type": "integer", "minimum": 0}, "score": {"type": "number", "maximum": 5, "multipleOf": 0.5},
+        "big": {"type": "integer", "minimum": 10**20}, "ratio": {"type": "number"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "pick": {"anyOf": [{"$ref": "#/$defs/word"}, {"type": "integer"}]}},
+        "$defs": {"word": {"type": "string"}}}
+    original = json.dumps(schema)
+    out = bounded(schema)
+    assert json.dumps(schema) == original  # a copy
+    p = out["properties"]
+    assert p["name"] == {"type": "string", "maxLength": STRING_MAX_LENGTH}
+    assert p["code"]["maxLength"] == 3 and "maxLength" not in p["id"] and "maxLength" not in p["kind"]
+    assert p["note"]["maxLength"] == STRING_MAX_LENGTH
+    assert p["count"] == {"type": "integer", "minimum": 0, "maximum": INTEGER_BOUND}
+    assert p["score"] == {"type": "number", "maximum": 5, "multipleOf": 0.5, "exclusiveMinimum": -NUMBER_BOUND}
+    assert p["big"] == {"type": "integer", "minimum": 10**20}  # a bound below its minimum would leave no value
+    assert p["ratio"] == {"type": "number", "exclusiveMinimum": -NUMBER_BOUND, "exclusiveMaximum": NUMBER_BOUND,
+                          "multipleOf": NUMBER_STEP}
+    assert p["tags"]["items"]["maxLength"] == out["$defs"]["word"]["maxLength"] == STRING_MAX_LENGTH
+    assert p["pick"]["anyOf"][1]["maximum"] == INTEGER_BOUND
+
+
+@pytest.fixture(scope="module")
+def compiler(tiny_qwen3):
+    from slotserve.config import ModelConfig
+
+    compiler = GrammarCompiler(tiny_qwen3 / "tokenizer.json", ModelConfig.from_dir(str(tiny_qwen3)).vocab_size, [0])
+    yield compiler
+    compiler.shutdown()
+
+
+def _accepts(compiler, constraint: dict | StructuredOutputsParams, text: str) -> bool:
+    """Whether the constraint's grammar (a schema: json) takes `text` whole, token by token, as a model writes."""
+    params = constraint if isinstance(constraint, StructuredOutputsParams) else StructuredOutputsParams(json=constraint)
+    matcher = compiler.submit(params).result().deep_copy()
+    tokens = compiler._tokenizer.tokenize_str(text)
+    return matcher.validate_tokens(tokens) == len(tokens)
+
+
+@pytest.mark.parametrize(("value", "takes"), [
+    ("48.8566", True), ("-0.1", True), ("0.3", True), ("1234567890123456", True), ("2.0123456789", True),
+    ("12345678901234567", False), ("3.14159265358979323846", False), ("1e5", False),
+])
+def test_a_number_has_at_most_16_integer_digits_and_10_decimals(compiler, value, takes):
+    schema = {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"],
+              "additionalProperties": False}
+    assert _accepts(compiler, schema, f'{{"x":{value}}}') is takes
+
+
+def test_strings_and_integers_end_where_the_schema_leaves_them_open(compiler):
+    def obj(value: dict) -> dict:
+        return {"type": "object", "properties": {"x": value}, "required": ["x"], "additionalProperties": False}
+
+    assert _accepts(compiler, obj({"type": "string"}), '{"x":"' + "ab" * (STRING_MAX_LENGTH // 2) + '"}')
+    assert not _accepts(compiler, obj({"type": "string"}), '{"x":"' + "ab" * STRING_MAX_LENGTH + '"}')
+    assert _accepts(compiler, obj({"type": "string", "maxLength": 1000}), '{"x":"' + "ab" * 300 + '"}')
+    assert _accepts(compiler, obj({"type": "integer"}), '{"x":-9999999999999999}')
+    assert not _accepts(compiler, obj({"type": "integer"}), '{"x":99999999999999999}')
+
+
+def test_a_json_object_holds_any_values_bounded_alike(compiler):
+    any_object = StructuredOutputsParams(json_object=True)
+    assert _accepts(compiler, any_object, '{"a":[1,{"b":"x"}],"c":null,"d":true,"e":-2.5}')
+    assert not _accepts(compiler, any_object, '{"a":"' + "ab" * STRING_MAX_LENGTH + '"}')
 
 
 def test_equal_constraints_compile_once(llm):

@@ -79,11 +79,9 @@ def test_a_failed_worker_ends_the_engine_with_the_reason(tiny_qwen3, how):
             next(events)
         if how == "sigkill":
             os.kill(workers[0], signal.SIGKILL)
-        start = time.monotonic()
-        for events in streams:
+        for events in streams:  # every stream ends with the error: none is left open
             tail = list(events)
             assert tail[-1] == "[DONE]" and "error" in tail[-2], tail[-3:]
-        assert time.monotonic() - start < 20  # the collective's timeout (3 s) and the watchdog's bounds
         message = tail[-2]["error"]["message"]
         reason = {"sigkill": "exited with code -9", "raises": "rank 1: InjectedFault", "hangs": "no worker said why"}
         assert reason[how] in message, message

@@ -280,6 +280,8 @@ class EngineConfig:
     ubatches: int = 1
     ubatch_decode_threshold: int = 32
     ubatch_prefill_threshold: int = 512
+    # Split only the kinds of steps that this engine has measured to run faster split (parallel/ubatch.py).
+    ubatch_adaptive: bool = True
     # Vision-language models (Qwen3-VL): images a prompt may carry, and the pixel budget each is resized
     # into (None: the model's preprocessor_config.json).
     limit_mm_per_prompt: int = 4

@@ -11,6 +11,7 @@ copy of the compiled matcher. A request whose grammar is not ready yet waits, wh
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from collections import OrderedDict
@@ -26,6 +27,21 @@ from slotserve.sampling_params import StructuredOutputsParams
 # JSON as small models write it best: no free whitespace between tokens, which a weak model can fill forever.
 _JSON_OPTIONS = {"whitespace_flexible": False}
 _CACHED_GRAMMARS = 256
+# What a schema leaves unbounded, bounded (as llama.cpp's JSON grammars bound numbers): at a temperature a small
+# model can go on writing one string or number until max_tokens. Numbers: 16 integer digits and 10 decimals,
+# no exponent (llguidance bounds digits only through a range and a step).
+STRING_MAX_LENGTH = 256
+INTEGER_BOUND = 10**16 - 1
+NUMBER_BOUND = 1e16  # exclusive
+NUMBER_STEP = 1e-10  # llguidance takes no finer step: it reads the float's decimal digits
+# json_object: an object of any values, bounded as above.
+_ANY_VALUE = {"anyOf": [{"type": "string"}, {"type": "number"}, {"type": "boolean"}, {"type": "null"},
+                        {"type": "array", "items": {"$ref": "#/$defs/value"}},
+                        {"type": "object", "additionalProperties": {"$ref": "#/$defs/value"}}]}
+_JSON_OBJECT = {"$defs": {"value": _ANY_VALUE}, "type": "object", "additionalProperties": {"$ref": "#/$defs/value"}}
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
 
 
 class GrammarError(ValueError):
@@ -37,9 +53,9 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     try:
         if params.json is not None:
             schema = json.loads(params.json) if isinstance(params.json, str) else params.json
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(bounded(schema), defaults=_JSON_OPTIONS)
         if params.json_object:
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(bounded(_JSON_OBJECT), defaults=_JSON_OPTIONS)
         if params.regex is not None:
             return llguidance.LLMatcher.grammar_from_regex(params.regex)
         if params.choice is not None:
@@ -47,6 +63,48 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         return llguidance.grammar_from("grammar", params.grammar)
     except (ValueError, TypeError) as e:  # not JSON, or a GBNF grammar that does not convert
         raise GrammarError(f"structured_outputs: {e}") from None
+
+
+def bounded(schema: object) -> object:
+    """A copy of a JSON schema whose strings, integers and numbers are bounded where the schema leaves them
+    open: strings to `STRING_MAX_LENGTH` characters, integers and numbers as above. What the schema says is
+    kept, and a bound that would leave no value is not added."""
+    schema = copy.deepcopy(schema)
+    _bound(schema)
+    return schema
+
+
+def _bound(schema: object) -> None:
+    if not isinstance(schema, dict):
+        return
+    types = schema.get("type", [])
+    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
+    free = not {"enum", "const"} & schema.keys()
+    open_string = free and "string" in types and not {"maxLength", "pattern", "format"} & schema.keys()
+    if open_string and schema.get("minLength", 0) <= STRING_MAX_LENGTH:
+        schema["maxLength"] = STRING_MAX_LENGTH
+    if free and types & {"integer", "number"}:
+        bound = NUMBER_BOUND if "number" in types else INTEGER_BOUND
+        lowest = schema.get("minimum", schema.get("exclusiveMinimum"))
+        highest = schema.get("maximum", schema.get("exclusiveMaximum"))
+        if lowest is None and (highest is None or (_number(highest) and highest > -bound)):
+            schema["exclusiveMinimum" if "number" in types else "minimum"] = -bound
+        if highest is None and (lowest is None or (_number(lowest) and lowest < bound)):
+            schema["exclusiveMaximum" if "number" in types else "maximum"] = bound
+        if "number" in types and "multipleOf" not in schema:
+            schema["multipleOf"] = NUMBER_STEP
+    for key in _SUBSCHEMAS:
+        _bound(schema.get(key))
+    for key in _SUBSCHEMA_LISTS:
+        for sub in schema.get(key) if isinstance(schema.get(key), list) else []:
+            _bound(sub)
+    for key in _SUBSCHEMA_MAPS:
+        for sub in schema.get(key).values() if isinstance(schema.get(key), dict) else []:
+            _bound(sub)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def check(params: StructuredOutputsParams) -> None:

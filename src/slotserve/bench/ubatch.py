@@ -133,7 +133,8 @@ def run_ubatch(make_llm: Callable[[argparse.Namespace], Any], args: argparse.Nam
     args = argparse.Namespace(**{
         **vars(args), "tensor_parallel_size": max(args.tensor_parallel_size, 2), "ubatches": max(args.ubatches, 2),
         "ubatch_prefill_threshold": min(args.ubatch_prefill_threshold, tokens["prefill"]),
-        "ubatch_decode_threshold": min(args.ubatch_decode_threshold, tokens["decode"])})
+        "ubatch_decode_threshold": min(args.ubatch_decode_threshold, tokens["decode"]),
+        "ubatch_adaptive": False})  # the bench chooses the way of each step itself
     trace = Path(args.trace)
     injected = trace.with_name(f"{trace.stem}-injected{trace.suffix}")
     return {

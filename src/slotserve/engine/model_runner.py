@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -30,7 +31,7 @@ from slotserve.models.packing import pack_linears
 from slotserve.multimodal.inputs import SeqVision, VisualRows
 from slotserve.outputs import PositionLogprobs
 from slotserve.parallel import ubatch
-from slotserve.parallel.ubatch import run_ubatches
+from slotserve.parallel.ubatch import OverlapGate, UbatchPool
 
 logger = logging.getLogger("slotserve")
 
@@ -88,16 +89,17 @@ class UbatchPolicy:
     decode_threshold: int = 32  # for steps whose every sequence computes one token
     prefill_threshold: int = 512  # for the others
     timeout_s: float = 120.0  # for each wait of a micro-batch
+    adaptive: bool = True  # split only the kinds of steps that measure faster split (OverlapGate)
 
     @classmethod
     def of(cls, config: EngineConfig) -> UbatchPolicy:
         return cls(config.ubatches, config.ubatch_decode_threshold, config.ubatch_prefill_threshold,
-                   config.distributed_timeout)
+                   config.distributed_timeout, config.ubatch_adaptive)
 
     def count_for(self, seqs: list[ScheduledSeq]) -> int:
         """How many micro-batches this step would run as (1: not split)."""
-        tokens = sum(len(s.token_ids) for s in seqs)
-        threshold = self.decode_threshold if all(len(s.token_ids) == 1 for s in seqs) else self.prefill_threshold
+        decode, tokens = _step_kind(seqs)
+        threshold = self.decode_threshold if decode else self.prefill_threshold
         return self.count if self.count > 1 and tokens >= max(threshold, self.count) else 1
 
 
@@ -149,6 +151,9 @@ class ModelRunner:
         self.model, self.cfg = model, cfg
         self.ubatching = ubatching or UbatchPolicy()
         self.overlap = True  # this rank's vote on splitting steps; a benchmark switches it off to compare
+        split = self.ubatching.count > 1
+        self.ubatch_pool = UbatchPool(self.ubatching.count, self.ubatching.timeout_s) if split else None
+        self.gate = OverlapGate() if split and self.ubatching.adaptive else None
         self.block_size, self.num_blocks = block_size, num_blocks
         self.sampler = Sampler()
         self.workspace = GatherWorkspace()
@@ -172,6 +177,8 @@ class ModelRunner:
         # not under tensor parallel, whose collectives sit between the layers.
         parallel = getattr(model, "parallel", UNSPLIT)
         self.group = parallel.group
+        if self.ubatch_pool is not None:
+            self.ubatch_pool.rank = self.group.rank
         # Nor for a vision-language model, whose rotary positions are not the cache's.
         self._fuses = (self.decode_mode == "paged" and cpu_fp32 and parallel.group.size == 1
                        and not hasattr(model, "encode_images"))
@@ -239,27 +246,39 @@ class ModelRunner:
                 out.append(SeqResult(hidden=step.hidden[i:i + 1].clone()) if want is Want.HIDDEN else SeqResult())
         return out
 
+    def close(self) -> None:
+        """Stops the micro-batch threads, if any."""
+        if self.ubatch_pool is not None:
+            self.ubatch_pool.close()
+
     def _forward(self, seqs: list[ScheduledSeq]) -> list[SeqResult]:
         """`execute` layer by layer, as one batch or as micro-batches."""
         rows = [_wanted_rows(seq) for seq in seqs]  # of each sequence's new tokens, those leaving the model
-        n = self._micro_batches(seqs)
+        eligible = self.ubatching.count_for(seqs) > 1
+        n = self._micro_batches(seqs, eligible)
+        start = time.perf_counter()
         if n == 1:
             hidden = self._run(self._flatten(seqs))
         else:
             pieces = split_tokens(seqs, n)
-            parts = run_ubatches(lambda i: self._prepare(pieces[i]), lambda _i, batch: self._run(batch), n,
-                                 self.ubatching.timeout_s, self.group.rank)
+            parts = self.ubatch_pool.run(lambda i: self._prepare(pieces[i]), lambda _i, batch: self._run(batch))
             hidden = torch.cat(parts)  # each piece's rows in order: those of the whole step
-        return self._results(seqs, rows, hidden)
+        out = self._results(seqs, rows, hidden)
+        if eligible and self.gate is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            decode, tokens = _step_kind(seqs)
+            self.gate.record(decode, tokens, n > 1, time.perf_counter() - start)
+        return out
 
-    def _micro_batches(self, seqs: list[ScheduledSeq]) -> int:
+    def _micro_batches(self, seqs: list[ScheduledSeq], eligible: bool) -> int:
         """How many micro-batches the ranks agree to run this step as: all must want it (one small vote, which
         also checks that every rank runs a step of as many tokens)."""
         if self.ubatching.count == 1:
             return 1
-        n = self.ubatching.count_for(seqs) if self.overlap else 1
+        wants = eligible and self.overlap and (self.gate is None or self.gate.wants(*_step_kind(seqs)))
         tokens = sum(len(s.token_ids) for s in seqs)
-        yes, total = self.group.sum_over_ranks([int(n > 1), tokens])
+        yes, total = self.group.sum_over_ranks([int(wants), tokens])
         if total != tokens * self.group.size:
             raise RuntimeError(f"rank {self.group.rank}: the ranks' steps differ ({tokens} tokens here, "
                                f"{total} over {self.group.size} ranks)")
@@ -345,6 +364,11 @@ class ModelRunner:
             for i, token in zip(picks, greedy(torch.cat([out[i].logits for i in picks])).tolist(), strict=True):
                 out[i] = SeqResult(token=token)
         return out
+
+
+def _step_kind(seqs: list[ScheduledSeq]) -> tuple[bool, int]:
+    """Whether every sequence computes one token, and the step's tokens."""
+    return all(len(s.token_ids) == 1 for s in seqs), sum(len(s.token_ids) for s in seqs)
 
 
 def _wanted_rows(seq: ScheduledSeq) -> range:

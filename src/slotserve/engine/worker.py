@@ -142,4 +142,6 @@ class Worker:
     def close(self, leave_group: bool = True) -> None:
         """Leaves the ranks' process group (not with `leave_group` False: for an engine that is dying, a thread
         may still be in a collective) and gives this process back the cores it could use before. Idempotent."""
+        if self.runner is not None:
+            self.runner.close()
         self._holdings.release(leave_group)

@@ -63,6 +63,8 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_options: bool = True) -> Non
                    help="decode-only steps of fewer tokens are not split (default 32)")
     g.add_argument("--ubatch-prefill-threshold", type=int, default=512,
                    help="other steps of fewer tokens are not split (default 512)")
+    g.add_argument("--ubatch-adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="split only the kinds of steps measured to run faster split (default on)")
     g = p.add_argument_group("images (vision-language models)")
     g.add_argument("--limit-mm-per-prompt", type=int, default=4, help="most images one prompt may carry (default 4)")
     g.add_argument("--image-min-pixels", type=int, default=None,
@@ -211,6 +213,7 @@ def engine_config(args: argparse.Namespace):
                         distributed_timeout=args.distributed_timeout, ubatches=args.ubatches,
                         ubatch_decode_threshold=args.ubatch_decode_threshold,
                         ubatch_prefill_threshold=args.ubatch_prefill_threshold,
+                        ubatch_adaptive=args.ubatch_adaptive,
                         limit_mm_per_prompt=args.limit_mm_per_prompt, image_min_pixels=args.image_min_pixels,
                         image_max_pixels=args.image_max_pixels)
 

@@ -1,15 +1,15 @@
 """Micro-batch overlap (as vLLM's dual-batch overlap, `--enable-dbo`): one step run as N micro-batches, each
 on a thread of its own, so that while one computes, another's collectives are in flight.
 
-The N threads and the caller meet at a `threading.Barrier(N + 1)`; then the turn goes around a ring, 0, 1,
-..., N - 1, 0, ...: exactly one micro-batch computes at a time (they share the cores, torch's threads and
-the pool). At each communication point a micro-batch starts its collective, hands the turn on
-(`Ubatch.yield_turn`, which `Pending.wait` of distributed/group.py calls) and waits for the collective's
-result only once the turn is back. Each micro-batch reaches the same communication points in the same
-order on every rank, and uses a process group of its own, so the ranks' collectives match.
+The N threads (`UbatchPool`, started once) and the caller meet at a `threading.Barrier(N + 1)`; then the turn
+goes around a ring, 0, 1, ..., N - 1, 0, ...: exactly one micro-batch computes at a time (they share the
+cores, torch's threads and the pool). At each communication point a micro-batch starts its collective, hands
+the turn on (`Ubatch.yield_turn`, which `Pending.wait` of distributed/group.py calls) and waits for the
+collective's result only once the turn is back. Each micro-batch reaches the same communication points in the
+same order on every rank, and uses a process group of its own, so the ranks' collectives match.
 
 Failure: the barrier and every wait have a timeout. A micro-batch that raises, or waits past the timeout,
-aborts the ring and the barrier; that wakes the others, which stop at their next wait; `run_ubatches`
+aborts the ring and the barrier; that wakes the others, which stop at their next wait; `UbatchPool.run`
 raises one `UbatchError` naming the micro-batch, the rank and the cause. (vLLM's version parks a raising
 micro-batch's peer forever and joins it without a timeout.)
 """
@@ -17,9 +17,13 @@ micro-batch's peer forever and joins it without a timeout.)
 from __future__ import annotations
 
 import logging
+import queue
+import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from slotserve.parallel import timeline
@@ -117,66 +121,159 @@ def current() -> Ubatch | None:
     return getattr(_local, "ubatch", None)
 
 
-def run_ubatches(prepare: Callable[[int], S], run: Callable[[int, S], T], n: int, timeout_s: float,
-                 rank: int = 0) -> list[T]:
-    """Runs micro-batches 0..n-1 on threads `ubatch-<i>`: each `prepare(i)` (at once, before the barrier),
-    then, taking turns, `run(i, prepared)`. Their results in order, or UbatchError."""
-    # Only the caller's wait times out, so the micro-batches missing when it does are the ones to blame (a thread
-    # that timed out first would wake the stalled one, which would then seem to have arrived).
-    barrier = threading.Barrier(n + 1)
-    ring = _Ring(n, timeout_s, barrier)
-    arrived, results = [False] * n, [None] * n
-    remaining = [n]
-    all_done = threading.Event()
-    count_lock = threading.Lock()
+class _Step:
+    """One split step: its barrier, its ring, and which micro-batches arrived and finished."""
 
-    def body(i: int) -> None:
-        ubatch = _local.ubatch = Ubatch(i, n, ring)
+    def __init__(self, prepare: Callable[[int], S], run: Callable[[int, S], T], n: int, timeout_s: float) -> None:
+        self.prepare, self.run, self.n = prepare, run, n
+        self.barrier = threading.Barrier(n + 1)
+        self.ring = _Ring(n, timeout_s, self.barrier)
+        self.arrived, self.finished = [False] * n, [False] * n
+        self.results: list[T | None] = [None] * n
+        self.all_done = threading.Event()
+        self._lock = threading.Lock()
+
+    def body(self, i: int) -> None:
+        """Micro-batch i, on its thread."""
+        ring = self.ring
+        ubatch = _local.ubatch = Ubatch(i, self.n, ring)
         try:
-            prepared = prepare(i)
-            arrived[i] = True
-            barrier.wait()
+            prepared = self.prepare(i)
+            self.arrived[i] = True
+            self.barrier.wait()
             ubatch._take()
-            results[i] = run(i, prepared)
+            self.results[i] = self.run(i, prepared)
             ubatch._end_compute("compute")
             ring.pass_on(i, finished=True)
         except BaseException as e:
             ring.fail(i, e)
         finally:
             _local.ubatch = None
-            with count_lock:
-                remaining[0] -= 1
-                if not remaining[0]:
-                    all_done.set()
+            with self._lock:
+                self.finished[i] = True
+                if all(self.finished):
+                    self.all_done.set()
 
-    threads = [threading.Thread(target=body, args=(i,), name=f"ubatch-{i}", daemon=True) for i in range(n)]
-    for thread in threads:
-        thread.start()
-    try:
-        barrier.wait(timeout_s)
-        ring.turn[0].set()
-    except threading.BrokenBarrierError:
-        missing = [i for i in range(n) if not arrived[i]]
-        ring.fail(missing[0] if missing else -1,
-                  TimeoutError(f"micro-batches {missing} did not reach the start within {timeout_s:g} s"))
-    while not all_done.wait(0.05):
+
+class UbatchPool:
+    """The threads `ubatch-0` .. `ubatch-<n-1>`, started once and reused by every split step: starting n
+    threads a step cost more than overlap saved on small steps. After a failed step the threads are retired
+    (each ends once its part of that step has stopped) and the next step starts fresh ones."""
+
+    def __init__(self, n: int, timeout_s: float, rank: int = 0) -> None:
+        self.n, self.timeout_s, self.rank = n, timeout_s, rank
+        self._lanes: list[tuple[threading.Thread, queue.SimpleQueue]] = []
+
+    def run(self, prepare: Callable[[int], S], run: Callable[[int, S], T]) -> list[T]:
+        """Runs micro-batches 0..n-1, one on each thread: each `prepare(i)` (at once, before the barrier), then,
+        taking turns, `run(i, prepared)`. Their results in order, or UbatchError."""
+        if not self._lanes:
+            self._lanes = [_start_lane(i) for i in range(self.n)]
+        step = _Step(prepare, run, self.n, self.timeout_s)
+        for _thread, jobs in self._lanes:
+            jobs.put(step)
+        ring = step.ring
+        # Only the caller's wait times out, so the micro-batches missing when it does are the ones to blame (a thread
+        # that timed out first would wake the stalled one, which would then seem to have arrived).
+        try:
+            step.barrier.wait(self.timeout_s)
+            ring.turn[0].set()
+        except threading.BrokenBarrierError:
+            missing = [i for i in range(self.n) if not step.arrived[i]]
+            ring.fail(missing[0] if missing else -1,
+                      TimeoutError(f"micro-batches {missing} did not reach the start within {self.timeout_s:g} s"))
+        while not step.all_done.wait(0.05):
+            if ring.aborted.is_set():
+                break
         if ring.aborted.is_set():
-            break
-    if ring.aborted.is_set():
-        _raise(ring, threads, n, rank, timeout_s)
-    return results
+            self.close(wait_s=0.0)
+            _raise(step, self.rank, self.timeout_s)
+        return step.results
+
+    def close(self, wait_s: float = 1.0) -> None:
+        """Retires the threads: each ends after its current step; waits up to `wait_s` for them. Idempotent."""
+        lanes, self._lanes = self._lanes, []
+        for _thread, jobs in lanes:
+            jobs.put(None)
+        deadline = time.monotonic() + wait_s
+        for thread, _jobs in lanes:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def _raise(ring: _Ring, threads: Sequence[threading.Thread], n: int, rank: int, timeout_s: float) -> None:
-    """The step's error, once its threads have stopped (each is bounded by its waits' timeouts)."""
-    deadline = time.monotonic() + timeout_s
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    left = [t.name for t in threads if t.is_alive()]
-    index, cause = ring.failure or (-1, UbatchAborted("stopped"))
+def _start_lane(i: int) -> tuple[threading.Thread, queue.SimpleQueue]:
+    jobs: queue.SimpleQueue[_Step | None] = queue.SimpleQueue()
+
+    def serve() -> None:
+        while (step := jobs.get()) is not None:
+            step.body(i)
+
+    thread = threading.Thread(target=serve, name=f"ubatch-{i}", daemon=True)
+    thread.start()
+    return thread, jobs
+
+
+def _raise(step: _Step, rank: int, timeout_s: float) -> None:
+    """The step's error, once its micro-batches have stopped (each is bounded by its waits' timeouts)."""
+    step.all_done.wait(timeout_s)
+    left = [f"ubatch-{i}" for i, done in enumerate(step.finished) if not done]
+    index, cause = step.ring.failure or (-1, UbatchAborted("stopped"))
+    n = step.n
     who = f"micro-batch {index} of {n}" if index >= 0 else f"the step's {n} micro-batches"
     extra = f" (threads {left} still running)" if left else ""
     if left:
         logger.error("rank %d: micro-batch threads %s did not stop within %g s", rank, left, timeout_s)
     raise UbatchError(f"rank {rank}: {who} failed: {type(cause).__name__}: {cause}{extra}") from cause
 
+
+@dataclass
+class _Trials:
+    """A kind of step's last seconds per token, split and whole."""
+
+    split: deque[float] = field(default_factory=lambda: deque(maxlen=OverlapGate.SAMPLES))
+    whole: deque[float] = field(default_factory=lambda: deque(maxlen=OverlapGate.SAMPLES))
+    seen: set[bool] = field(default_factory=set)  # the ways whose first, warm-up step has been dropped
+    decided: int = 0  # steps since both ways had their samples
+
+
+class OverlapGate:
+    """Whether splitting pays on this rank, learnt from its own steps, so that overlap turns itself off where
+    it costs more than it hides (two cores and a fast link). Steps are of a kind: decode-only or not, and
+    their tokens to the nearest power of two. Each kind tries both ways until each has `SAMPLES` timed steps
+    (after one warm-up step each); then it splits only while split steps take less per token, and every
+    `PROBE_EVERY` steps tries the other way once, so that a change in load is seen."""
+
+    SAMPLES = 3
+    PROBE_EVERY = 50
+
+    def __init__(self) -> None:
+        self._kinds: dict[tuple[bool, int], _Trials] = {}
+
+    def wants(self, decode: bool, tokens: int) -> bool:
+        """This rank's vote on splitting a step of this kind."""
+        trials = self._kinds.setdefault(_kind(decode, tokens), _Trials())
+        if len(trials.split) < self.SAMPLES or len(trials.whole) < self.SAMPLES:
+            return len(trials.split) <= len(trials.whole)
+        trials.decided += 1
+        better = statistics.median(trials.split) < statistics.median(trials.whole)
+        return not better if trials.decided % self.PROBE_EVERY == 0 else better
+
+    def record(self, decode: bool, tokens: int, split: bool, seconds: float) -> None:
+        """A step of this kind took `seconds`, split or whole (as the ranks agreed, whatever this one wanted)."""
+        trials = self._kinds.setdefault(_kind(decode, tokens), _Trials())
+        if split not in trials.seen:
+            trials.seen.add(split)
+            return
+        (trials.split if split else trials.whole).append(seconds / tokens)
+
+    def choices(self) -> dict[str, bool]:
+        """Each decided kind's way ("decode <= 32 tokens": True for split), for reports."""
+        out = {}
+        for (decode, bound), t in sorted(self._kinds.items()):
+            if len(t.split) == len(t.whole) == self.SAMPLES:
+                name = f"{'decode' if decode else 'prefill'} <= {bound} tokens"
+                out[name] = statistics.median(t.split) < statistics.median(t.whole)
+        return out
+
+
+def _kind(decode: bool, tokens: int) -> tuple[bool, int]:
+    return decode, 1 << max(0, tokens - 1).bit_length()

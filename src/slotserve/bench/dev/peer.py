@@ -2,16 +2,20 @@
 beside llama.cpp's `llama-bench` on the same GGUF, in alternating rounds (one engine round, one llama-bench run),
 so that both see the same machine: on a shared VM the read rate moves by 1.5x within minutes, and figures taken
 minutes apart compare the neighbours' load as much as the engines. Prints each side's medians and the median
-of the rounds' ratios (engine over llama.cpp)."""
+of the rounds' ratios (engine over llama.cpp). A llama-bench that dies of an illegal instruction (llama.cpp's
+repacked AMX GEMM does on some Xeons) is run again without repacking, and the figures say so."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
+import signal
 import statistics
 import subprocess
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,6 +23,13 @@ import torch
 from slotserve import model_store
 from slotserve.bench.latency import random_prompt, timed_request
 from slotserve.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger("slotserve")
+NO_REPACK = ["--repack", "0"]
+
+
+class PeerError(RuntimeError):
+    """llama-bench failed; the message has its exit status and the end of its output."""
 
 
 def gguf_of(model: str) -> str:
@@ -30,13 +41,32 @@ def gguf_of(model: str) -> str:
     return str(path)
 
 
-def _llama_round(args: argparse.Namespace, gguf: str) -> tuple[float, float]:
-    """(prefill, decode) tokens/s of one llama-bench run (`-r 1`) on the engine's thread count."""
-    command = [args.llama_bench, "-m", gguf, "-p", str(args.input_len), "-n", str(args.output_len), "-r", "1",
-               "-t", str(torch.get_num_threads()), "-o", "json"]
-    rows = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
-    rate = {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in rows}
-    return rate["prefill"], rate["decode"]
+@dataclass
+class LlamaBench:
+    """llama-bench on one GGUF, and the options it needed to run on this machine."""
+
+    binary: str
+    gguf: str
+    extra: list[str] = field(default_factory=list)
+
+    def round(self, input_len: int, output_len: int, threads: int) -> tuple[float, float]:
+        """(prefill, decode) tokens/s of one run (`-r 1`)."""
+        command = [self.binary, "-m", self.gguf, "-p", str(input_len), "-n", str(output_len), "-r", "1",
+                   "-t", str(threads), "-o", "json", *self.extra]
+        done = subprocess.run(command, capture_output=True, text=True)
+        # -SIGILL: the binary itself; 128 + SIGILL: through a shell.
+        if done.returncode in (-signal.SIGILL, 128 + signal.SIGILL) and not self.extra:
+            logger.warning("llama-bench died of an illegal instruction; running it again with %s", " ".join(NO_REPACK))
+            self.extra = NO_REPACK
+            return self.round(input_len, output_len, threads)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip()[-500:]
+            raise PeerError(f"{' '.join(command)} exited with {done.returncode}: {tail}")
+        rate = {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in json.loads(done.stdout)}
+        return rate["prefill"], rate["decode"]
+
+    def config(self) -> dict[str, Any]:
+        return {"repack": self.extra != NO_REPACK, "options": self.extra}
 
 
 def _engine_round(engine: LLMEngine, args: argparse.Namespace, rng: random.Random, i: int) -> tuple[float, float]:
@@ -46,17 +76,18 @@ def _engine_round(engine: LLMEngine, args: argparse.Namespace, rng: random.Rando
 
 
 def run_peer(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
-    gguf = gguf_of(args.model)
+    llama = LlamaBench(args.llama_bench, gguf_of(args.model))
+    threads = torch.get_num_threads()
     rng = random.Random(0)
     _engine_round(engine, args, rng, -1)  # warm-up: first-call costs of both
-    _llama_round(args, gguf)
+    llama.round(args.input_len, args.output_len, threads)
     ours, theirs = [], []
     for i in range(args.rounds):
         ours.append(_engine_round(engine, args, rng, i))
-        theirs.append(_llama_round(args, gguf))
-    result: dict[str, Any] = {"bench": "peer", "model": args.model, "gguf": gguf, "rounds": args.rounds,
-                              "input_len": args.input_len, "output_len": args.output_len,
-                              "threads": torch.get_num_threads()}
+        theirs.append(llama.round(args.input_len, args.output_len, threads))
+    result: dict[str, Any] = {"bench": "peer", "model": args.model, "gguf": llama.gguf, "rounds": args.rounds,
+                              "input_len": args.input_len, "output_len": args.output_len, "threads": threads,
+                              "llama_cpp": llama.config()}
     for j, phase in enumerate(("prefill", "decode")):
         result[f"{phase}_tokens_per_s"] = round(statistics.median(o[j] for o in ours), 2)
         result[f"llama_cpp_{phase}_tokens_per_s"] = round(statistics.median(t[j] for t in theirs), 2)
