@@ -1,5 +1,5 @@
 """Structured outputs and tool calls on the bundled model (Qwen2.5-Coder-0.5B-Instruct) through the official
-openai client: a pydantic model parsed for 20 prompts of 20, JSON objects that parse, regexes and choices that
+openai client: a pydantic model parsed for 20 prompts of 20, one without bounds of its own 10 times of 10, JSON objects that parse, regexes and choices that
 match, and a tool round trip, streamed and not."""
 
 from __future__ import annotations
@@ -29,6 +29,12 @@ class Thing(BaseModel):
     tags: list[str] = Field(max_length=3)
 
 
+class City(BaseModel):  # no bounds of its own: the engine's keep its strings and numbers from running away
+    name: str
+    country: str
+    population_millions: float
+
+
 WEATHER = {"type": "object", "required": ["city"], "additionalProperties": False,
            "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
@@ -50,6 +56,14 @@ def test_parse_gives_a_pydantic_object_for_every_prompt(client):
             messages=[{"role": "user", "content": f"Describe {topic} as JSON with name, category, rating, tags."}])
         parsed += isinstance(reply.choices[0].message.parsed, Thing)
     assert parsed == len(TOPICS)
+
+
+def test_parse_of_an_unbounded_schema_ends_every_time(client):
+    for seed in range(10):
+        reply = client.chat.completions.parse(
+            model=MODEL, response_format=City, max_tokens=200, temperature=0.7, seed=seed,
+            messages=[{"role": "user", "content": "Describe Tokyo."}])  # unbounded, 3 of 10 ran to 200 tokens
+        assert reply.choices[0].finish_reason == "stop" and isinstance(reply.choices[0].message.parsed, City)
 
 
 def test_json_objects_regexes_and_choices(client):

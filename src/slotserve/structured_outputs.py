@@ -29,8 +29,9 @@ _JSON_OPTIONS = {"whitespace_flexible": False}
 _CACHED_GRAMMARS = 256
 # What a schema leaves unbounded, bounded (as llama.cpp's JSON grammars bound numbers): at a temperature a small
 # model can go on writing one string or number until max_tokens. Numbers: 16 integer digits and 10 decimals,
-# no exponent (llguidance bounds digits only through a range and a step).
-STRING_MAX_LENGTH = 256
+# no exponent (llguidance bounds digits only through a range and a step). Strings: a few paragraphs, so that a
+# description is not cut (the model would start another key and write it again).
+STRING_MAX_LENGTH = 2048
 INTEGER_BOUND = 10**16 - 1
 NUMBER_BOUND = 1e16  # exclusive
 NUMBER_STEP = 1e-10  # llguidance takes no finer step: it reads the float's decimal digits
