@@ -9,7 +9,8 @@ import pytest
 from slotserve import LLM, SamplingParams
 from slotserve.config import EngineConfig
 from slotserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineStartError
-from slotserve.faults import FAULT_ENV, FaultPoint
+from slotserve.envs import FAULT_ENV
+from slotserve.faults import FaultPoint
 
 PROMPTS = ["Hello there", "def fibonacci(n):", "The capital of France is", "1, 2, 3, 4,"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from slotserve import envs
 from slotserve.config import EngineConfig
 from slotserve.parallel import threadpool as tp
 from slotserve.parallel.cpu import apply_cpu_settings, restrict_process, torch_parfor
@@ -34,7 +35,7 @@ def test_threads_size_torch_and_the_pool(restore_cpu):
 
 
 def test_threads_default_from_the_environment(restore_cpu, monkeypatch):
-    monkeypatch.setenv(tp.THREADS_ENV, "2")
+    monkeypatch.setenv(envs.THREADS_ENV, "2")
     assert apply_cpu_settings().threads == 2 and tp.get_pool().threads == 2
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slotserve import model_store
+from slotserve import envs, model_store
 from slotserve.config import ModelConfig
 from slotserve.model_store import (
     ALIASES,
@@ -24,7 +24,6 @@ from slotserve.model_store import (
     ModelNotInstalledError,
     PartPackage,
     assemble,
-    cache_dir,
     list_models,
     resolve_model,
 )
@@ -67,10 +66,10 @@ def _must_not_run(*args, **kwargs):
 
 
 def test_cache_dir(monkeypatch, tmp_path):
-    assert cache_dir() == tmp_path / "cache"
+    assert envs.cache_dir() == tmp_path / "cache"
     monkeypatch.delenv("SLOTSERVE_CACHE")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert cache_dir() == tmp_path / "home" / ".cache" / "slotserve"
+    assert envs.cache_dir() == tmp_path / "home" / ".cache" / "slotserve"
 
 
 def test_aliases_are_pinned():

@@ -1,6 +1,6 @@
 """Structured outputs and tool calls on the bundled model (Qwen2.5-Coder-0.5B-Instruct) through the official
-openai client: a pydantic model parsed for 20 prompts of 20, one without bounds of its own 10 times of 10, JSON objects that parse, regexes and choices that
-match, and a tool round trip, streamed and not."""
+openai client: a pydantic model parsed for 20 prompts of 20, one without bounds of its own 10 times of 10, JSON
+objects that parse, regexes and choices that match, and a tool round trip, streamed and not."""
 
 from __future__ import annotations
 

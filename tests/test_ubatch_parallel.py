@@ -15,7 +15,8 @@ import torch
 
 from slotserve.engine.executor import WorkerError
 from slotserve.engine.model_runner import ScheduledSeq, Want
-from slotserve.faults import FAULT_ENV, FaultPoint, fault_spec
+from slotserve.envs import FAULT_ENV
+from slotserve.faults import FaultPoint, fault_spec
 from slotserve.parallel import timeline
 from slotserve.parallel.ubatch import OverlapGate, UbatchError
 from tests.conftest import build_tiny_model

@@ -7,9 +7,10 @@ turn and check that the engine ends cleanly instead of wedging. Unset, a check c
 from __future__ import annotations
 
 import enum
-import os
 
-FAULT_ENV = "SLOTSERVE_FAULT"
+from slotserve import envs
+from slotserve.envs import FAULT_ENV
+
 STALL_SECONDS = 6.0
 
 
@@ -39,7 +40,7 @@ def fault_spec(point: FaultPoint, at: int) -> dict[str, str]:
 
 def fires(point: FaultPoint) -> bool:
     """Counts a pass through `point`; whether it is the one that fails."""
-    spec = os.environ.get(FAULT_ENV)
+    spec = envs.fault()
     if not spec:
         return False
     name, _, at = spec.partition(":")

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from slotserve import envs
+
 logger = logging.getLogger("slotserve")
 
 HUGE_PAGE = 1 << 21
@@ -32,7 +34,7 @@ _ALIGN = 4096  # every tensor starts on a page of its own
 
 
 def enabled() -> bool:
-    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("SLOTSERVE_HUGE_PAGES", "1") != "0"
+    return hasattr(mmap, "MADV_HUGEPAGE") and envs.huge_pages()
 
 
 def _round_up(n: int, to: int) -> int:

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from slotserve import envs
 from slotserve.models.gguf import convert_gguf, remove_stale_partials
 
 logger = logging.getLogger(__name__)
@@ -98,14 +99,8 @@ class ModelInfo:
     is_default: bool
 
 
-def cache_dir() -> Path:
-    """`$SLOTSERVE_CACHE`, else ~/.cache/slotserve."""
-    env = os.environ.get("SLOTSERVE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "slotserve"
-
-
 def gguf_path(alias: ModelAlias) -> Path:
-    return cache_dir() / "models" / alias.file_name
+    return envs.cache_dir() / "models" / alias.file_name
 
 
 def _marker(path: Path) -> Path:
@@ -183,13 +178,13 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _converted_dir_for_alias(alias: ModelAlias) -> Path:
-    return cache_dir() / "converted" / f"{alias.name}-{alias.sha256[:12]}-v{CONVERTER_VERSION}"
+    return envs.cache_dir() / "converted" / f"{alias.name}-{alias.sha256[:12]}-v{CONVERTER_VERSION}"
 
 
 def _converted_dir_for_file(path: Path) -> Path:
     st = path.stat()
     ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{CONVERTER_VERSION}"
-    return cache_dir() / "converted" / f"{path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+    return envs.cache_dir() / "converted" / f"{path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
 
 
 def _is_complete(model_dir: Path) -> bool:

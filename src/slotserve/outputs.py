@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from slotserve.entrypoints.openai.tool_calls import ToolCall
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool call the model wrote; `arguments` is a JSON object as a string, OpenAI's form."""
+
+    id: str
+    name: str
+    arguments: str
 
 
 @dataclass

@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from slotserve.distributed.group import LATENCY_ENV
 from slotserve.engine.model_runner import ScheduledSeq, Want
+from slotserve.envs import LATENCY_ENV, TIMELINE_ENV
 from slotserve.parallel import timeline
-from slotserve.parallel.timeline import TIMELINE_ENV, Span, SpanKind, Timeline
+from slotserve.parallel.timeline import Span, SpanKind, Timeline
 
 Window = tuple[float, float]
 

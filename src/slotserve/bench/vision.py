@@ -38,7 +38,7 @@ IMAGE_TOKENS = dict(image_token_id=151655, video_token_id=151656, vision_start_t
 
 
 def run_vision(args: argparse.Namespace) -> dict[str, Any]:
-    from slotserve import LLM
+    from slotserve.entrypoints.llm import LLM
 
     if args.no_transformers and not args.model:
         raise ValueError("--no-transformers: needs --model (transformers builds the random model)")

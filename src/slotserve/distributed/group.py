@@ -24,7 +24,6 @@ from slotserve.parallel import timeline, ubatch
 from slotserve.parallel.timeline import SpanKind
 
 T = TypeVar("T")
-LATENCY_ENV = "SLOTSERVE_COLLECTIVE_LATENCY_MS"  # benchmarks: a latency added to every collective (a slower link)
 
 
 class ShmSum(Protocol):
@@ -135,7 +134,7 @@ class RankGroup:
     clock: CollectiveClock = field(default_factory=CollectiveClock)
     lanes: tuple[RankGroup, ...] = ()
     stream: Any = None  # CUDA lanes: the stream their collectives run on
-    latency_s: float = 0.0  # added to every collective (LATENCY_ENV)
+    latency_s: float = 0.0  # a floor on every collective's time (envs.LATENCY_ENV)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import socket
 import threading
 from collections.abc import Callable
@@ -13,8 +12,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from slotserve import envs
 from slotserve.config import EngineConfig
-from slotserve.distributed.group import LATENCY_ENV, CollectiveClock, RankGroup
+from slotserve.distributed.group import CollectiveClock, RankGroup
 from slotserve.distributed.shm_all_reduce import ShmAllReduce
 
 logger = logging.getLogger("slotserve")
@@ -43,7 +43,7 @@ def init_rank_group(rank: int, world_size: int, init_method: str, device: torch.
     dist.all_gather_object(hosts, socket.gethostname())
     one_host = len(set(hosts)) == 1
     clock = CollectiveClock()
-    latency_s = float(os.environ.get(LATENCY_ENV) or 0) / 1e3
+    latency_s = envs.collective_latency_s()
     extra = tuple(_group(rank, world_size, device, timeout_s, one_host, clock, latency_s, stream=True)
                   for _ in range(lanes))
     group = _group(rank, world_size, device, timeout_s, one_host, clock, latency_s, lanes=extra)

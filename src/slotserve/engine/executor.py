@@ -25,6 +25,7 @@ from pathlib import Path
 
 import zmq
 
+from slotserve import envs
 from slotserve.config import EngineConfig, ExecutorBackend
 from slotserve.distributed.process_groups import free_port
 from slotserve.distributed.shm_all_reduce import CollectiveTimeoutError, RankGoneError
@@ -195,7 +196,7 @@ class MultiprocExecutor(Executor):
         return os.getpid()
 
     def launch(self, specs: list[WorkerSpec]) -> None:
-        env = {**os.environ, "SLOTSERVE_LOG_LEVEL": logging.getLevelName(logger.getEffectiveLevel())}
+        env = {**os.environ, envs.LOG_LEVEL_ENV: logging.getLevelName(logger.getEffectiveLevel())}
         entry = "from slotserve.engine.worker_process import main; main()"
         self.processes = {spec.rank: subprocess.Popen([sys.executable, "-c", entry, spec.to_json()], env=env)
                           for spec in specs}

@@ -18,13 +18,13 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from slotserve import envs
 from slotserve.config import EngineConfig
 from slotserve.engine.executor import Executor, WorkerError
 from slotserve.engine.worker_process import WorkerSpec, run_worker
 
 logger = logging.getLogger("slotserve")
 
-_SECRET_ENV = {"SLOTSERVE_API_KEY"}  # the server's, never needed by a rank
 
 _ray_lock = threading.Lock()
 _ray_users = 0  # live executors on the Ray that this module connected; the last one shuts it down
@@ -39,7 +39,7 @@ class RankActor:
         spec.config["threads"] = threads
         spec.config["cpu_affinity"] = None
         spec.pin_cores = False
-        logging.basicConfig(level=os.environ.get("SLOTSERVE_LOG_LEVEL", "INFO"),
+        logging.basicConfig(level=envs.log_level(),
                             format=f"%(levelname)s %(asctime)s rank-{spec.rank}: %(message)s", datefmt="%H:%M:%S")
         return run_worker(spec)
 
@@ -84,8 +84,7 @@ class RayExecutor(Executor):
             raise WorkerError(f"Ray could not place {len(specs)} worker ranks of {self.threads} CPU each "
                               f"({len(specs) * self.threads} CPUs) within {timeout:.0f} s: the cluster has "
                               f"{total:g} CPUs, {free:g} free")
-        env = {k: v for k, v in os.environ.items() if k.startswith("SLOTSERVE_") and k not in _SECRET_ENV}
-        env["SLOTSERVE_LOG_LEVEL"] = logging.getLevelName(logger.getEffectiveLevel())
+        env = {**envs.passed_to_ranks(), envs.LOG_LEVEL_ENV: logging.getLevelName(logger.getEffectiveLevel())}
         for i, spec in enumerate(specs):
             actor = RankActor.options(
                 num_cpus=self.threads,

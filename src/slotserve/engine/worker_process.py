@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import msgspec
 import zmq
 
-from slotserve import faults
+from slotserve import envs, faults
 from slotserve.config import EngineConfig
 from slotserve.engine.model_runner import ScheduledSeq
 from slotserve.engine.worker import Rank, Worker
@@ -204,7 +204,7 @@ def main() -> None:
         if os.getppid() != spec.driver_pid:  # the driver died before the line above
             sys.exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides how its workers stop
-    logging.basicConfig(level=os.environ.get("SLOTSERVE_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=envs.log_level(),
                         format=f"%(levelname)s %(asctime)s rank-{spec.rank}: %(message)s", datefmt="%H:%M:%S")
     sys.exit(run_worker(spec))
 

@@ -5,79 +5,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 _STARTED = time.perf_counter()
 
 # Torch-free imports, after _STARTED: the start of `bench latency`'s "time to first token".
+from slotserve import envs  # noqa: E402
 from slotserve.bench.quality import add_arguments as quality_args  # noqa: E402
 from slotserve.bench.serve import add_arguments as serve_bench_args  # noqa: E402
-
-
-def add_engine_args(p: argparse.ArgumentParser, cpu_options: bool = True) -> None:
-    from slotserve.model_store import DEFAULT_MODEL
-    from slotserve.parallel.threadpool import parse_cpu_list
-
-    g = p.add_argument_group("model and engine")
-    g.add_argument("--model", "-m", default=DEFAULT_MODEL,
-                   help=f"an alias (see `slotserve models`), a Hugging Face directory or a .gguf file "
-                        f"(default: {DEFAULT_MODEL})")
-    g.add_argument("--dtype", default="auto",
-                   help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
-    g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length limit (prompt + output)")
-    g.add_argument("--kv-cache-memory", type=_size, default=None, help="KV cache size, e.g. 512M or 2G")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=1024,
-                   help="tokens computed per step; longer prompts are prefilled in chunks")
-    g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
-    g.add_argument("--task", default="auto", choices=["auto", "generate", "embed"],
-                   help="embed: serve embeddings (last-token pooling); auto: embed for embedding checkpoints")
-    g.add_argument("--quantization", default=None, choices=["int8"],
-                   help="int8: dynamically quantized int8 linear layers (CPU, float32; faster decode, "
-                        "slightly different output)")
-    g.add_argument("--prefill-precision", default="auto", choices=["auto", "bfloat16", "float32"],
-                   help="what a GGUF model's prefill multiplies in; auto: bfloat16 where the CPU has bfloat16 "
-                        "dot products (AMX, AVX512-BF16), else float32 (the weights' exact values)")
-    g = p.add_argument_group("parallel (one model over several ranks)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="ranks to split the model over (heads, MLP width, vocabulary); default 1")
-    g.add_argument("--enable-expert-parallel", action="store_true",
-                   help="MoE: split the experts across the ranks instead of splitting each expert")
-    g.add_argument("--expert-comm", default="all-to-all", choices=["all-to-all", "all-gather"],
-                   help="how expert parallel moves tokens to their experts' ranks (default all-to-all)")
-    g.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
-                   help="mp: worker processes on this machine (the default); ray: Ray actors, on any machines "
-                        "of a Ray cluster (RAY_ADDRESS; pip install 'slotserve[ray]')")
-    g.add_argument("--distributed-timeout", type=float, default=120.0,
-                   help="seconds a collective or a worker may take before the engine gives up (default 120)")
-    g.add_argument("--ubatches", type=int, default=1,
-                   help="micro-batch overlap: run a large step as N micro-batches, one computing while another's "
-                        "collectives travel (N >= 2; default 1: off)")
-    g.add_argument("--ubatch-decode-threshold", type=int, default=32,
-                   help="decode-only steps of fewer tokens are not split (default 32)")
-    g.add_argument("--ubatch-prefill-threshold", type=int, default=512,
-                   help="other steps of fewer tokens are not split (default 512)")
-    g.add_argument("--ubatch-adaptive", action=argparse.BooleanOptionalAction, default=True,
-                   help="split only the kinds of steps measured to run faster split (default on)")
-    g = p.add_argument_group("images (vision-language models)")
-    g.add_argument("--limit-mm-per-prompt", type=int, default=4, help="most images one prompt may carry (default 4)")
-    g.add_argument("--image-min-pixels", type=int, default=None,
-                   help="resize smaller images up to this many pixels (default: the model's preprocessor config)")
-    g.add_argument("--image-max-pixels", type=int, default=None,
-                   help="resize larger images down to this many pixels (default: the model's preprocessor config)")
-    if cpu_options:
-        g = p.add_argument_group("CPU")
-        g.add_argument("--threads", type=int, default=None,
-                       help="CPU threads for torch and the thread pool, per rank (default: SLOTSERVE_THREADS, else the "
-                            "cores this process may use)")
-        g.add_argument("--cpu-affinity", type=_cpu_list(parse_cpu_list), default=None,
-                       help="run on these cores only, one pool worker pinned to each, e.g. 0-3 or 0,2")
+from slotserve.entrypoints.engine_args import (  # noqa: E402
+    add_engine_args,
+    engine_config,
+    make_llm,
+    parse_size,
+    run_command,
+)
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int | None) -> None:
@@ -101,35 +45,8 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-think", action="store_true", help="Qwen3: disable thinking (enable_thinking=false)")
 
 
-def _cpu_list(parse: Callable[[str], list[int]]) -> Callable[[str], tuple[int, ...]]:
-    def parse_arg(text: str) -> tuple[int, ...]:
-        try:
-            return tuple(parse(text))
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    return parse_arg
-
-
-def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    text = text.strip().lower().removesuffix("b").removesuffix("i")
-    try:
-        if text and text[-1] in units:
-            return int(float(text[:-1]) * units[text[-1]])
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 2G)") from None
-
-
-def make_llm(args: argparse.Namespace):
-    from slotserve import LLM
-
-    return LLM.from_config(engine_config(args))
-
-
 def _params(args: argparse.Namespace):
-    from slotserve import SamplingParams
+    from slotserve.sampling_params import SamplingParams
 
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
@@ -198,30 +115,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": "".join(reply)})
 
 
-def engine_config(args: argparse.Namespace):
-    from slotserve.config import EngineConfig
-
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                        kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        enable_prefix_caching=not args.no_prefix_caching, task=args.task,
-                        quantization=args.quantization, prefill_precision=args.prefill_precision,
-                        threads=args.threads, cpu_affinity=args.cpu_affinity,
-                        tensor_parallel_size=args.tensor_parallel_size,
-                        enable_expert_parallel=args.enable_expert_parallel, expert_comm=args.expert_comm,
-                        distributed_executor_backend=args.distributed_executor_backend,
-                        distributed_timeout=args.distributed_timeout, ubatches=args.ubatches,
-                        ubatch_decode_threshold=args.ubatch_decode_threshold,
-                        ubatch_prefill_threshold=args.ubatch_prefill_threshold,
-                        ubatch_adaptive=args.ubatch_adaptive,
-                        limit_mm_per_prompt=args.limit_mm_per_prompt, image_min_pixels=args.image_min_pixels,
-                        image_max_pixels=args.image_max_pixels)
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
     import dataclasses
-    import os
 
     from slotserve.engine.async_llm import EngineStartError
     from slotserve.entrypoints.openai.api_server import ServerSettings, serve
@@ -233,7 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = dataclasses.replace(engine_config(args), stall_timeout=args.stall_timeout)
     settings = ServerSettings(
         model_name=args.served_model_name or args.model,
-        api_key=args.api_key or os.environ.get("SLOTSERVE_API_KEY") or None,
+        api_key=args.api_key or envs.api_key(),
         max_queued_requests=args.max_queued_requests,
         limits=RequestLimits(max_body_bytes=args.max_request_bytes, max_n=args.max_n, max_stop=args.max_stop,
                              max_logit_bias=args.max_logit_bias, allow_image_urls=args.allow_image_urls,
@@ -263,13 +159,13 @@ def cmd_top(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from slotserve.model_store import cache_dir, list_models
+    from slotserve.model_store import list_models
 
     rows = list_models()
     if args.json:
         print(json.dumps([vars(r) for r in rows], default=str))
         return 0
-    print(f"cache: {cache_dir()}")
+    print(f"cache: {envs.cache_dir()}")
     print(f"{'alias':30} {'size':>9}  {'installed':9}  {'ready':5}  description")
     for r in rows:
         name = r.alias + (" (default)" if r.is_default else "")
@@ -358,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     limits = RequestLimits()
     g.add_argument("--max-queued-requests", type=int, default=None,
                    help="sequences in flight (n of each prompt) beyond which new requests get 503 (default: no limit)")
-    g.add_argument("--max-request-bytes", type=_size, default=limits.max_body_bytes,
+    g.add_argument("--max-request-bytes", type=parse_size, default=limits.max_body_bytes,
                    help=f"largest request body; larger ones get 413 (default {limits.max_body_bytes >> 20}M)")
     g.add_argument("--max-n", type=int, default=limits.max_n,
                    help=f"most sequences one request may start: n times its prompts (default {limits.max_n})")
@@ -376,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fetch images given by http(s) URL (default: data: URLs only)")
     g.add_argument("--image-fetch-timeout", type=float, default=limits.image_fetch_timeout,
                    help=f"seconds one image's download may take (default {limits.image_fetch_timeout:g})")
-    g.add_argument("--max-image-bytes", type=_size, default=limits.max_image_bytes,
+    g.add_argument("--max-image-bytes", type=parse_size, default=limits.max_image_bytes,
                    help=f"largest image download (default {limits.max_image_bytes >> 20}M)")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
@@ -468,17 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
-    """Runs the command line `argv` (default: sys.argv) as `parser` (default: the `slotserve` command's) reads it:
-    each command is its `func`."""
-    args = (parser or build_parser()).parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stderr)
-    try:
-        return args.func(args)
-    except (ValueError, OSError) as e:
-        print(f"slotserve: error: {e}", file=sys.stderr)
-        return 2
+def main(argv: list[str] | None = None) -> int:
+    return run_command(build_parser(), argv)
 
 
 if __name__ == "__main__":

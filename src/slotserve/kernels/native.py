@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from slotserve.model_store import cache_dir
+from slotserve import envs
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class KernelUnavailableError(RuntimeError):
 
 
 def enabled() -> bool:
-    return os.environ.get("SLOTSERVE_NATIVE_KERNELS", "1") != "0"
+    return envs.native_kernels()
 
 
 def takes(*tensors: torch.Tensor) -> bool:
@@ -85,7 +85,7 @@ def load(source: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         flags = FLAGS + extra_flags
         siblings = [f.read_text() for f in sorted(source.parent.glob("*.[ch]"))]  # what the source may include
         key = hashlib.sha256("\0".join([source.read_text(), *siblings, *flags, _machine()]).encode())
-        target = cache_dir() / "kernels" / key.hexdigest()[:16] / f"{source.stem}.so"
+        target = envs.cache_dir() / "kernels" / key.hexdigest()[:16] / f"{source.stem}.so"
         if not target.exists():
             log.info("compiling %s for this machine", source.name)
             _build(source, target, flags)

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import threading
 from pathlib import Path
 
 import torch
 
-from slotserve import host_memory
+from slotserve import envs, host_memory
 from slotserve.config import PrefillPrecision
 from slotserve.kernels import native
 from slotserve.kernels.packed_tensor import (
@@ -75,7 +74,7 @@ class Packing(ctypes.Structure):
 @functools.cache
 def amx_available() -> bool:
     """Whether AMX runs here: packings then take every row count their form is worth."""
-    if os.environ.get("SLOTSERVE_AMX", "1") == "0" or not built():
+    if not envs.amx() or not built():
         return False
     init = native.function(AMX_SOURCE, "slotserve_amx_init", ())
     return init is not None and init() == 0
@@ -144,7 +143,7 @@ def _fit(weight: torch.Tensor, narrow: bool, wide: bool) -> tuple | None:
 
 def packs() -> bool:
     """Whether a float32 checkpoint's weights are packed here: where AMX is not, narrow ones only."""
-    return os.environ.get("SLOTSERVE_PACK_WEIGHTS", "1") != "0" and built()
+    return envs.pack_weights() and built()
 
 
 _workspace = threading.local()  # each thread's panel, kept: a new one per call would fault its pages in again

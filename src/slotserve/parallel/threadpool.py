@@ -42,10 +42,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from slotserve import envs
+
 Body = Callable[[Any, int], None]
 
-THREADS_ENV = "SLOTSERVE_THREADS"
-JOIN_SPIN_ENV = "SLOTSERVE_TP_JOIN_SPIN"
 _HAS_GIL = getattr(sys, "_is_gil_enabled", lambda: True)()  # False only on a free-threaded build
 DEFAULT_JOIN_SPIN = 0 if _HAS_GIL else 200  # rounds; a spin holding the GIL only delays the workers
 _JOIN_YIELD_S = 0.002  # then yield (GIL released) for this long before sleeping 1 ms at a time
@@ -84,22 +84,9 @@ def available_cores() -> int:
     return os.cpu_count() or 1
 
 
-def _int_env(name: str, minimum: int) -> int | None:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = minimum - 1
-    if value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {text!r}")
-    return value
-
-
 def default_threads() -> int:
     """`SLOTSERVE_THREADS` when set, else `available_cores()`."""
-    return _int_env(THREADS_ENV, 1) or available_cores()
+    return envs.threads() or available_cores()
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -182,7 +169,7 @@ class ThreadPool:
                 raise ValueError(f"cpu_affinity {self.cpu_affinity} must be a non-empty subset of the cores "
                                  f"this process may use: {sorted(allowed)}")
         if join_spin is None:
-            join_spin = _int_env(JOIN_SPIN_ENV, 0)
+            join_spin = envs.join_spin()
         self.join_spin = DEFAULT_JOIN_SPIN if join_spin is None else join_spin
         if self.join_spin < 0:
             raise ValueError(f"join_spin must be >= 0, got {self.join_spin}")

@@ -1,6 +1,6 @@
 """Spans of compute and communication on one rank, for the micro-batch overlap's benchmark and its Chrome trace.
 
-Off unless a benchmark switches it on (`record`, or `TIMELINE_ENV` naming a file for a worker rank): the
+Off unless a benchmark switches it on (`record`, or `SLOTSERVE_TIMELINE` naming a file for a worker rank): the
 recording points then cost a clock read and an append each.
 """
 
@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import enum
 import json
-import os
 import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-TIMELINE_ENV = "SLOTSERVE_TIMELINE"  # a worker rank records its spans and writes them to this path + ".rank<r>"
+from slotserve import envs
 
 
 class SpanKind(enum.Enum):
@@ -71,8 +70,8 @@ def record(timeline: Timeline | None) -> None:
 
 
 def record_from_env(rank: int) -> Path | None:
-    """A worker rank: records when TIMELINE_ENV says so; the path to save to at its end."""
-    base = os.environ.get(TIMELINE_ENV)
+    """A worker rank: records when SLOTSERVE_TIMELINE says so; the path to save to at its end."""
+    base = envs.timeline()
     if not base:
         return None
     record(Timeline())

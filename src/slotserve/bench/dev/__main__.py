@@ -7,7 +7,7 @@ import json
 import sys
 
 from slotserve.bench.dev.threads import add_arguments as threads_args
-from slotserve.entrypoints.cli import add_engine_args, main, make_llm
+from slotserve.entrypoints.engine_args import add_engine_args, make_llm, run_command
 
 
 def cmd_dev_bench(args: argparse.Namespace) -> int:
@@ -67,4 +67,4 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 if __name__ == "__main__":
-    sys.exit(main(parser=build_parser()))
+    sys.exit(run_command(build_parser()))

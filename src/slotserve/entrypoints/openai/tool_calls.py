@@ -18,16 +18,9 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from slotserve.outputs import ToolCall
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One call; `arguments` is a JSON object as a string, OpenAI's form."""
-
-    id: str
-    name: str
-    arguments: str
 
 
 @dataclass(frozen=True)
