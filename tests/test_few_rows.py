@@ -13,10 +13,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from slotserve.engine.model_runner import ModelRunner
-from slotserve.kernels import native, packed_linear
-from slotserve.kernels.packed_linear import AMX_MIN_ROWS, BLOCK, FEW_ROWS, PAIR, PANEL_ROWS, PackedWeight
+from slotserve.kernels import native
 from slotserve.layers.linear import Linear
 from slotserve.models.loader import load_model
+from slotserve.quantization import packed_linear
+from slotserve.quantization.packed_linear import AMX_MIN_ROWS, BLOCK, FEW_ROWS, PAIR, PANEL_ROWS, PackedWeight
 from tests.conftest import build_tiny_model
 from tests.test_packed_linear import (
     FEW_ROW_WEIGHTS,

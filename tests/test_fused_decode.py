@@ -13,9 +13,9 @@ from torch import nn
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, SeqResult, Want
 from slotserve.kernels import decode_layers
 from slotserve.layers.linear import Linear
-from slotserve.layers.quantization import quantize_int8
 from slotserve.models.fused_decode import FusedDecode
 from slotserve.models.loader import load_model
+from slotserve.quantization.int8 import quantize_int8
 
 pytestmark = pytest.mark.skipif(not decode_layers.available(), reason="native kernels not built here")
 

@@ -1,4 +1,4 @@
-"""K-quant tensors packed from their bytes (models/gguf_blocks.py): the weights gguf-py dequantizes, bit for bit,
+"""K-quant tensors packed from their bytes (quantization/gguf_blocks.py): the weights gguf-py dequantizes, bit for bit,
 in 4, 5 or 6 bits a value under int8 scale and offset codes, and products as close to float64 as float32's."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
-from slotserve.kernels import packed_linear
-from slotserve.kernels.packed_linear import FEW_ROWS, PackedWeight
-from slotserve.models.gguf_blocks import packed_k_quant
+from slotserve.quantization import packed_linear
+from slotserve.quantization.gguf_blocks import packed_k_quant
+from slotserve.quantization.packed_linear import FEW_ROWS, PackedWeight
 from tests.test_few_rows import OTHER_BUILDS, assert_builds_agree
 
 pytestmark = pytest.mark.skipif(not packed_linear.built(), reason="native kernels not built here")

@@ -13,8 +13,6 @@ from gguf import GGMLQuantizationType as Q
 from slotserve import host_memory
 from slotserve.config import ModelConfig, PrefillPrecision
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, Want
-from slotserve.kernels import packed_linear
-from slotserve.kernels.packed_linear import PANEL_ROWS
 from slotserve.layers.embedding import VocabEmbedding
 from slotserve.layers.linear import Linear
 from slotserve.models.gguf import convert_gguf
@@ -27,6 +25,8 @@ from slotserve.models.loader import (
     weight_footprint,
 )
 from slotserve.models.packing import move_packings
+from slotserve.quantization import packed_linear
+from slotserve.quantization.packed_linear import PANEL_ROWS
 from tests.gguf_fixtures import hf_model_of, tiny_gguf
 from tests.test_host_memory import _vma_flags
 

@@ -1,4 +1,4 @@
-"""Packed linears (kernels/packed_linear.py) and the AMX GEMM (kernels/amx_gemm.c): which weights pack, that the
+"""Packed linears (quantization/packed_linear.py) and the AMX GEMM (kernels/amx_gemm.c): which weights pack, that the
 products are exact and the sums as close to float64 as a float32 GEMM's, that a row's bits do not depend on its
 batch, and the engine on them: parity with transformers and the fused decode step's bits. The packing (which
 weights pack, in which form, the packed layout and its values; kernels/packed_linear.c) is checked wherever the
@@ -12,8 +12,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, Want
-from slotserve.kernels import native, packed_linear
-from slotserve.kernels.packed_linear import (
+from slotserve.kernels import native
+from slotserve.layers.linear import Linear
+from slotserve.models.loader import load_model
+from slotserve.models.packing import PackingReport
+from slotserve.quantization import packed_linear
+from slotserve.quantization.packed_linear import (
     ALL_ROWS,
     AMX_MIN_ROWS,
     BLOCK,
@@ -24,9 +28,6 @@ from slotserve.kernels.packed_linear import (
     PackedTensor,
     PackedWeight,
 )
-from slotserve.layers.linear import Linear
-from slotserve.models.loader import load_model
-from slotserve.models.packing import PackingReport
 from tests.conftest import build_tiny_model
 
 pytestmark = pytest.mark.skipif(not packed_linear.packs(), reason="native kernels not built here")

@@ -13,8 +13,8 @@ from slotserve import LLM, SamplingParams
 from slotserve.bench.quality import add_arguments, run_quality
 from slotserve.config import EngineConfig, ModelConfig
 from slotserve.engine.model_runner import ScheduledSeq, Want
-from slotserve.layers.quantization import Int8Linear, quantize_int8
 from slotserve.models.qwen3_moe import SparseMoeBlock
+from slotserve.quantization.int8 import Int8Linear, quantize_int8
 from tests.helpers import assert_figures
 
 PROMPTS = ["Hello there", "def fibonacci(n):", "The capital of France is", "1, 2, 3, 4,"]

@@ -11,11 +11,11 @@ from safetensors import safe_open
 
 from slotserve.bench.random_gguf import SHAPES, WEIGHT_STD, Shapes, tensor_types, write_random_gguf
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
-from slotserve.kernels import packed_linear
-from slotserve.kernels.packed_linear import PackedWeight
 from slotserve.models.gguf import convert_gguf
 from slotserve.models.gguf_reader import read_gguf
 from slotserve.models.loader import load_model, packed_tensors
+from slotserve.quantization import packed_linear
+from slotserve.quantization.packed_linear import PackedWeight
 from tests.gguf_fixtures import VOCAB_ROWS, tiny_gguf
 
 SMALL = Shapes(hidden=256, intermediate=512, layers=8, heads=4, kv_heads=2, vocab=VOCAB_ROWS + 32, context=512)

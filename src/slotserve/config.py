@@ -239,7 +239,7 @@ class ExpertCommKind(enum.Enum):
 
 
 class PrefillPrecision(enum.Enum):
-    """What calls of many rows (prefill) on a GGUF's packed weights multiply in (kernels/packed_linear.py)."""
+    """What calls of many rows (prefill) on a GGUF's packed weights multiply in (quantization/packed_linear.py)."""
 
     AUTO = "auto"  # bfloat16 where the CPU has bfloat16 dot products (AMX, AVX512-BF16), else float32
     BFLOAT16 = "bfloat16"  # weights and activations rounded to bfloat16, float32 sums

@@ -15,9 +15,9 @@ from torch import nn
 from slotserve import host_memory
 from slotserve.bench.timing import seconds
 from slotserve.kernels import native
-from slotserve.kernels.packed_linear import PANEL_ROWS
 from slotserve.layers.linear import Linear
-from slotserve.layers.quantization import Int8Linear
+from slotserve.quantization.int8 import Int8Linear
+from slotserve.quantization.packed_linear import PANEL_ROWS
 
 GEMM_SIZE = 2048
 GEMM_FLOPS = 2 * GEMM_SIZE**3  # of one gemm_pass
@@ -110,7 +110,7 @@ def linear_params(model: nn.Module) -> tuple[int, int, int]:
 
 def prefill_dtype(model: nn.Module) -> torch.dtype:
     """What a long prompt's linears multiply in: their packings' panels where they have packings
-    (kernels/packed_linear.py), else the model's dtype."""
+    (quantization/packed_linear.py), else the model's dtype."""
     for m in model.modules():
         if isinstance(m, Linear) and (packed := m.current_packed()) is not None and packed.runs(PANEL_ROWS):
             return packed.panel_dtype if packed.narrow else torch.bfloat16  # a bfloat16 packing: on AMX

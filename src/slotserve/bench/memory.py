@@ -11,7 +11,7 @@ from torch import nn
 
 def weight_bytes(model: nn.Module) -> int:
     """The bytes the model's weights take: its parameters and buffers, and the packings its linears and
-    embeddings hold (kernels/packed_linear.py), each storage counted once."""
+    embeddings hold (quantization/packed_linear.py), each storage counted once."""
     storages: dict[int, int] = {}
     for t in (*model.parameters(), *model.buffers()):
         storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()

@@ -23,11 +23,11 @@ from slotserve.config import EngineConfig, parse_device, parse_dtype
 from slotserve.distributed.group import UNSPLIT, ModelParallel, RankGroup
 from slotserve.distributed.process_groups import init_rank_group, lanes, leave_rank_group
 from slotserve.engine.model_runner import ModelRunner, UbatchPolicy
-from slotserve.layers.quantization import quantize_int8
 from slotserve.models.loader import available_memory, load_model
 from slotserve.models.packing import move_packings
 from slotserve.parallel.cpu import CpuSettings, apply_cpu_settings, restrict_process
 from slotserve.parallel.threadpool import default_threads
+from slotserve.quantization.int8 import quantize_int8
 
 logger = logging.getLogger("slotserve")
 

@@ -8,7 +8,7 @@ import ctypes
 from pathlib import Path
 
 from slotserve.kernels import native
-from slotserve.kernels.packed_linear import Packing
+from slotserve.kernels.packing import Packing
 
 SOURCE = Path(__file__).with_name("decode_layers.c")
 _ARGS = (ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)

@@ -32,6 +32,7 @@ from slotserve import envs
 log = logging.getLogger(__name__)
 
 STALE_DAYS = 30
+SOURCE_DIR = Path(__file__).parent  # the C sources, beside this file
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
 
 

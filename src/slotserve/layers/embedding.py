@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from slotserve.distributed.group import SINGLE, RankGroup
-from slotserve.kernels.packed_linear import PackedWeight
 from slotserve.layers.linear import Linear, Shard
+from slotserve.quantization.packed_linear import PackedWeight
 
 
 def vocab_shard(vocab_size: int, group: RankGroup) -> tuple[int, Shard | None]:

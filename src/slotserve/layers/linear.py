@@ -2,7 +2,7 @@
 the weight's form.
 
 - A layer loaded packed (a GGUF's tensors: `weight` None, `packed` the weight) runs every call on its packing;
-  a float32 weight whose form packs (`pack`: integer blocks, bfloat16 checkpoints; kernels/packed_linear.py)
+  a float32 weight whose form packs (`pack`: integer blocks, bfloat16 checkpoints; quantization/packed_linear.py)
   runs packed for the row counts its packing takes (`PackedWeight.runs`): a narrow packing's rows on the
   vector units of any CPU (kernels/few_rows.c, streaming a third of the float32 bytes) or AMX, exactly, and
   from PANEL_ROWS on through unpacked panels; a bfloat16 packing's from AMX_MIN_ROWS on, on AMX.
@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from slotserve.kernels import native, packed_linear, small_gemm
+from slotserve.kernels import native, small_gemm
+from slotserve.quantization import packed_linear
 
 NATIVE_ROWS = range(1, 65)
 TRANSPOSED_ROWS = range(16, 65)
@@ -87,7 +88,8 @@ class Linear(nn.Linear):
         return layer
 
     def pack(self) -> bool:
-        """Packs this layer's weight and bias where their form allows (kernels/packed_linear.py); whether it did."""
+        """Packs this layer's weight and bias where their form allows (quantization/packed_linear.py); whether
+        it did."""
         self.packed = packed_linear.PackedWeight.pack(self.weight, self.bias)
         return self.packed is not None
 

@@ -24,10 +24,11 @@ import torch
 from torch import nn
 
 from slotserve.kernels import decode_layers
-from slotserve.kernels.packed_linear import PackedWeight, Packing
+from slotserve.kernels.packing import Packing
 from slotserve.kv_cache.block_table import cache_index, padded_tables
 from slotserve.layers.linear import NATIVE_ROWS, Linear
 from slotserve.models.qwen import QwenDecoderLayer, QwenMLP, QwenModel
+from slotserve.quantization.packed_linear import PackedWeight
 
 MAX_TOKENS = NATIVE_ROWS.stop - 1
 

@@ -29,9 +29,9 @@ from gguf import ExpertGatingFuncType, GGMLQuantizationType, Keys, TokenType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tqdm import tqdm
 
-from slotserve.models import gguf_blocks
 from slotserve.models.gguf_reader import GGUFError, GGUFFile, read_gguf
 from slotserve.parallel.threadpool import ThreadPool, get_pool
+from slotserve.quantization import gguf_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ def _can_dequantize(qtype: GGMLQuantizationType) -> bool:
 
 _Job = tuple[str, int, int, int]  # GGUF tensor, rows [start, stop), the first of them in the float32 array
 PACKED_METADATA = "slotserve.packed"  # the safetensors metadata key: {tensor: [n, k, zero]} of the packed ones
-# A packed tensor's buffers (kernels/packed_tensor.py's), each `{name}.packed_{part}`.
+# A packed tensor's buffers (quantization/packed_tensor.py's), each `{name}.packed_{part}`.
 PACKED_PARTS = ("values", "scales", "offsets", "scale_factors", "offset_factors")
 SAFETENSORS_DTYPES = {torch.uint8: "U8", torch.int8: "I8", torch.float16: "F16", torch.float32: "F32"}
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
@@ -277,14 +277,14 @@ _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantiza
 
 def write_weights(g: GGUFFile, mappings: list[TensorMapping], out_file: Path, pool: ThreadPool | None = None) -> None:
     """Every mapped tensor into one safetensors file: a quantized 2-D tensor packed in its smallest exact form
-    (kernels/packed_tensor.py), which the kernels read as it is: `{name}.packed_{part}` for each of its
+    (quantization/packed_tensor.py), which the kernels read as it is: `{name}.packed_{part}` for each of its
     PACKED_PARTS, listed under PACKED_METADATA, where every block fits (K-quants read from their bytes,
     gguf_blocks.py; other types fitted to their dequantized values); the rest float32, and everything where the
     kernels do not build here. One tensor at a time is dequantized, on `pool`'s executors (default `get_pool()`:
     gguf-py's numpy kernels release the GIL), so memory stays at the largest tensor's float32 whatever the model
     size."""
     # Imported here: kernels.native imports model_store, which imports this module.
-    from slotserve.kernels.packed_linear import built, pack_narrow
+    from slotserve.quantization.packed_linear import built, pack_narrow
 
 
     entries: list[tuple[str, str, list[int], int]] = []  # name, dtype, shape, bytes

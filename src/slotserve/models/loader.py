@@ -18,12 +18,12 @@ from tqdm import tqdm
 from slotserve import host_memory
 from slotserve.config import ModelConfig
 from slotserve.distributed.group import UNSPLIT, ModelParallel
-from slotserve.kernels.packed_linear import BLOCK, CHUNK_BITS, TILE, PackedTensor, PackedWeight
 from slotserve.layers.embedding import VocabEmbedding
 from slotserve.layers.linear import Linear, MergedLinear, Shard
 from slotserve.models.gguf import PACKED_METADATA, PACKED_PARTS
 from slotserve.models.qwen3_vl import TensorParts
 from slotserve.models.registry import model_class
+from slotserve.quantization.packed_linear import BLOCK, CHUNK_BITS, TILE, PackedTensor, PackedWeight
 
 logger = logging.getLogger("slotserve")
 

@@ -1,4 +1,4 @@
-"""Which of a model's linears run packed (kernels/packed_linear.py), and what the load line says of it.
+"""Which of a model's linears run packed (quantization/packed_linear.py), and what the load line says of it.
 
 A GGUF's linears arrive packed from the checkpoint (the loader's `hold_packed`). Every float32 CPU `Linear`
 whose weight has a form a kernel here runs is packed too, once, as the runner is built: integers under a
@@ -19,10 +19,10 @@ from torch import nn
 
 from slotserve import host_memory
 from slotserve.config import PrefillPrecision
-from slotserve.kernels import packed_linear
 from slotserve.layers.embedding import VocabEmbedding
 from slotserve.layers.linear import Linear
 from slotserve.models.loader import available_memory
+from slotserve.quantization import packed_linear
 
 log = logging.getLogger(__name__)
 

@@ -22,14 +22,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
-from pathlib import Path
 
 import torch
 
 from slotserve import envs, host_memory
 from slotserve.config import PrefillPrecision
 from slotserve.kernels import native
-from slotserve.kernels.packed_tensor import (
+from slotserve.kernels.packing import Packing
+from slotserve.quantization.packed_tensor import (
     BLOCK,
     BYTE_ZERO,
     CHUNK_BITS,
@@ -42,9 +42,9 @@ from slotserve.kernels.packed_tensor import (
 
 __all__ = ["BLOCK", "PAIR", "TILE", "PackedTensor", "PackedWeight", "Scales"]
 
-PACK_SOURCE = Path(__file__).with_name("packed_linear.c")
-FEW_ROWS_SOURCE = Path(__file__).with_name("few_rows.c")
-AMX_SOURCE = Path(__file__).with_name("amx_gemm.c")
+PACK_SOURCE = native.SOURCE_DIR / "packed_linear.c"
+FEW_ROWS_SOURCE = native.SOURCE_DIR / "few_rows.c"
+AMX_SOURCE = native.SOURCE_DIR / "amx_gemm.c"
 # A bfloat16 packing's calls of fewer rows stay on the float32 kernel's dot-product form (small_gemm.c's 1..DOT_ROWS
 # rows), AMX takes the rest. A narrow packing takes every row count: up to FEW_ROWS on few_rows.c.
 AMX_MIN_ROWS = 12
@@ -59,16 +59,6 @@ _PACK_ARGS = (ctypes.c_void_p, ctypes.c_long, ctypes.c_long) + (ctypes.c_void_p,
 _GEMM_ARGS = (ctypes.c_void_p,) * 4 + (ctypes.c_long,) * 3 + (ctypes.c_int,)  # both kernels'
 _ROWS_ARGS = (ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int)
 _PANEL_ARGS = (ctypes.c_void_p,) + (ctypes.c_long,) * 3 + (ctypes.c_void_p, ctypes.c_long) + (ctypes.c_int,) * 2
-
-
-class Packing(ctypes.Structure):
-    """packed_linear.h's slotserve_packed_weight: a packed weight's buffers (NULL values: not packed)."""
-
-    _fields_ = [("values", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
-                ("narrow", ctypes.c_int), ("halves", ctypes.c_int), ("min_rows", ctypes.c_long),
-                ("max_rows", ctypes.c_long), ("bits", ctypes.c_int), ("zero", ctypes.c_int),
-                ("scale_factors", ctypes.c_void_p), ("offset_factors", ctypes.c_void_p),
-                ("scale_code_bytes", ctypes.c_int), ("offset_code_bytes", ctypes.c_int)]
 
 
 @functools.cache

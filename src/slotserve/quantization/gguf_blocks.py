@@ -14,7 +14,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K
 
-from slotserve.kernels.packed_tensor import BYTE_ZERO, PackedTensor
+from slotserve.quantization.packed_tensor import BYTE_ZERO, PackedTensor
 
 # Where a super-block's high bits (Q5_K) and its nibbles start: each begins with d and dmin (float16) and 12 bytes
 # of 6-bit scales and minimums. A Q6_K one holds 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, d.
