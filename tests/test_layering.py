@@ -64,24 +64,25 @@ def test_every_room_has_a_rank():
     assert rooms <= RANKS.keys(), f"rooms without a rank: {sorted(rooms - RANKS.keys())}"
 
 
-def test_no_module_imports_a_higher_room():
-    upward = []
+def _edges() -> list[tuple[str, str, str, str]]:
+    """Every import of one room by a module: (where, the importer's room, the module imported, its room)."""
+    out = []
     for path in sorted(ROOT.rglob("*.py")):
         me = _room(_module(path))
         for target, line in _imports(path):
             room = _room(target)
             room = room if room in RANKS else ""  # `from slotserve import LLM`: a name of the package itself
-            if RANKS[room] > RANKS[me]:
-                upward.append(f"{path.relative_to(ROOT)}:{line} ({me}) imports {target} ({room or 'slotserve'})")
+            out.append((f"{path.relative_to(ROOT)}:{line}", me, target, room))
+    return out
+
+
+def test_no_module_imports_a_higher_room():
+    upward = [f"{where} ({me}) imports {target} ({room or 'slotserve'})"
+              for where, me, target, room in _edges() if RANKS[room] > RANKS[me]]
     assert not upward, "\n".join(upward)
 
 
 def test_rooms_of_one_rank_do_not_import_each_other():
-    sideways = []
-    for path in sorted(ROOT.rglob("*.py")):
-        me = _room(_module(path))
-        for target, line in _imports(path):
-            room = _room(target)
-            if room in RANKS and room != me and RANKS[room] == RANKS[me]:
-                sideways.append(f"{path.relative_to(ROOT)}:{line} ({me}) imports {target}")
+    sideways = [f"{where} ({me}) imports {target}"
+                for where, me, target, room in _edges() if room != me and RANKS[room] == RANKS[me]]
     assert not sideways, "\n".join(sideways)

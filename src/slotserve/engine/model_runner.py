@@ -254,7 +254,8 @@ class ModelRunner:
     def _forward(self, seqs: list[ScheduledSeq]) -> list[SeqResult]:
         """`execute` layer by layer, as one batch or as micro-batches."""
         rows = [_wanted_rows(seq) for seq in seqs]  # of each sequence's new tokens, those leaving the model
-        eligible = self.ubatching.count_for(seqs) > 1
+        # Only under micro-batching: a step of one rank pays nothing for it.
+        eligible = self.ubatching.count > 1 and self.ubatching.count_for(seqs) > 1
         n = self._micro_batches(seqs, eligible)
         start = time.perf_counter()
         if n == 1:
