@@ -8,8 +8,8 @@ import torch
 
 from slotserve import LLM, SamplingParams
 from slotserve.config import EngineConfig
-from slotserve.engine.model_runner import _one_tensor
 from slotserve.kernels import decode_attention, norm_rotary_swiglu_argmax, small_gemm
+from slotserve.layers.sampler import stack_rows
 from tests.conftest import build_tiny_model
 
 PROMPTS = ["Hello there", "def fibonacci(n):", "The capital of France is", "1, 2, 3, 4,", "你好，世界"]
@@ -188,8 +188,8 @@ def test_engine_config_rejects_bad_values():
 def test_sampled_rows_are_one_view_when_consecutive():
     logits = torch.randn(5, 7)
     rows = [logits[i:i + 1] for i in range(1, 4)]
-    stacked = _one_tensor(rows)
+    stacked = stack_rows(rows)
     assert torch.equal(stacked, logits[1:4]) and stacked.data_ptr() == logits[1].data_ptr()
     for scattered in ([logits[0:1], logits[2:3]], [logits[1:2], torch.randn(1, 7)], [logits[3:4], logits[2:3]]):
-        together = _one_tensor(scattered)
+        together = stack_rows(scattered)
         assert torch.equal(together, torch.cat(scattered)) and together.data_ptr() != scattered[0].data_ptr()

@@ -166,7 +166,7 @@ def test_rows_asking_for_hidden_states_or_nothing_match_the_layer_path(tiny_qwen
                 for i, (start, table, want) in enumerate(zip(starts, tables, wants, strict=True))]
         a, b = fused.execute(seqs), layers.execute(seqs)
         for x, y, want in zip(a, b, wants, strict=True):
-            assert (x.logits is not None, x.token, x.hidden is not None) == (want is Want.LAST, None,
+            assert (x.logits is not None, x.tokens, x.hidden is not None) == (want is Want.LAST, None,
                                                                              want is Want.HIDDEN)
             assert all((u is None and v is None) or torch.equal(u, v) for u, v in ((x.logits, y.logits),
                                                                                   (x.hidden, y.hidden)))
@@ -193,12 +193,12 @@ def test_greedy_rows_get_the_argmax_of_their_logits(tiny_qwen2):
                 for (ids, start), table, want in zip(step, tables, wants, strict=True)]  # the same step again
         for runner in (fused, layers):
             out = runner.execute(seqs)
-            assert [x.token for x, want in zip(out, wants, strict=True) if want is Want.GREEDY] == [
+            assert [x.tokens[0] for x, want in zip(out, wants, strict=True) if want is Want.GREEDY] == [
                 a for a, want in zip(argmax, wants, strict=True) if want is Want.GREEDY]
             assert all(torch.equal(x.logits, y) for x, y, want in zip(out, logits, wants, strict=True)
                        if want is Want.LAST)
     one = fused.execute([ScheduledSeq([11], 3, tables[0], want=Want.GREEDY)])  # a step of one row
-    assert one == [SeqResult(token=argmax[0])]
+    assert one == [SeqResult(tokens=[argmax[0]])]
 
 
 def test_a_head_the_kernel_cannot_run_is_applied_after_it(tiny_qwen2):
@@ -214,4 +214,4 @@ def test_a_head_the_kernel_cannot_run_is_applied_after_it(tiny_qwen2):
     a, b = fused.execute(step), layers.execute(step)
     assert fused.fused is not None and fused.fused.head is None
     assert torch.equal(a[0].logits, b[0].logits)
-    assert a[1].token == b[1].token == int(fused.model.compute_logits(fused.fused.x[1:2]).argmax())
+    assert a[1].tokens == b[1].tokens == [int(fused.model.compute_logits(fused.fused.x[1:2]).argmax())]

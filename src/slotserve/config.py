@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import os
@@ -246,6 +247,75 @@ class PrefillPrecision(enum.Enum):
     FLOAT32 = "float32"  # the weights' exact values
 
 
+class SpeculativeMethod(enum.Enum):
+    """Where speculative decoding's proposals come from (engine/proposers.py)."""
+
+    NGRAM = "ngram"  # prompt lookup: what followed the latest n-gram where it occurred before in the sequence
+    DRAFT_MODEL = "draft_model"  # a smaller model of the same tokenizer, greedy
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: up to `num_speculative_tokens` proposed tokens per sequence and step, all verified in
+    the target model's next step (vLLM's `speculative_config`)."""
+
+    method: SpeculativeMethod
+    num_speculative_tokens: int
+    model: str | None = None  # the draft model (method draft_model): an alias, a directory or a GGUF file
+    prompt_lookup_max: int = 5  # ngram: the longest n-gram looked up
+    prompt_lookup_min: int = 2  # ngram: the shortest
+    # No proposals while this many sequences or more run (a large batch is bound by compute, not by reading the
+    # weights). None: where the verify rows of a step would pass 64, the native decode step's rows.
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """From vLLM's JSON shape (a dict, or its JSON text); ValueError naming the field that is wrong."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config: must be an object, got {type(value).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field {unknown[0]!r}; the fields are {', '.join(names)}")
+        fields = dict(value)
+        method = fields.pop("method", None)
+        if method is None:
+            method = "draft_model" if fields.get("model") else None
+        try:
+            fields["method"] = SpeculativeMethod(method)
+        except ValueError:
+            raise ValueError(f"speculative_config.method: unknown value {method!r}; choose one of "
+                             f"{', '.join(m.value for m in SpeculativeMethod)}") from None
+        if "num_speculative_tokens" not in fields:
+            raise ValueError("speculative_config.num_speculative_tokens: required")
+        return cls(**fields)
+
+    def __post_init__(self) -> None:
+        def positive(name: str, value: object) -> None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config.{name}: must be a positive integer, got {value!r}")
+
+        positive("num_speculative_tokens", self.num_speculative_tokens)
+        positive("prompt_lookup_max", self.prompt_lookup_max)
+        positive("prompt_lookup_min", self.prompt_lookup_min)
+        if self.disable_by_batch_size is not None:
+            positive("disable_by_batch_size", self.disable_by_batch_size)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min: {self.prompt_lookup_min} is above "
+                             f"prompt_lookup_max {self.prompt_lookup_max}")
+        if self.method is SpeculativeMethod.DRAFT_MODEL and not self.model:
+            raise ValueError("speculative_config.model: method draft_model needs the draft model")
+        if self.method is SpeculativeMethod.NGRAM and self.model:
+            raise ValueError("speculative_config.model: method ngram takes no model")
+
+
 @dataclass
 class EngineConfig:
     """What the user chose: which model, where, and the bounds of the KV cache and the batch."""
@@ -287,8 +357,11 @@ class EngineConfig:
     limit_mm_per_prompt: int = 4
     image_min_pixels: int | None = None
     image_max_pixels: int | None = None
+    # Speculative decoding (SpeculativeConfig, or its dict or JSON text); None: off.
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"threads: must be a positive integer, got {self.threads!r}")
         if self.cpu_affinity is not None:

@@ -219,6 +219,12 @@ class _CoreServer:
             "scheduler": {"running": len(core.scheduler.running), "waiting": len(core.scheduler.waiting),
                           "preemptions": core.scheduler.num_preemptions, "kv_blocks": kv.pool.num_blocks,
                           "kv_blocks_free": kv.pool.num_free, "kv_blocks_cached": kv.pool.num_cached},
+            "speculative": None if core.config.speculative_config is None else {
+                "method": core.config.speculative_config.method.value,
+                "num_speculative_tokens": core.config.speculative_config.num_speculative_tokens,
+                "proposed": core.speculation.proposed, "accepted": core.speculation.accepted,
+                "acceptance_rate": round(core.speculation.acceptance_rate, 4),
+                "mean_accepted_length": round(core.speculation.mean_accepted_length, 3)},
             "steps": core.step_log.recent(),
             "step_histograms": core.step_log.histograms(),
             "seconds_since_last_step": round(time.monotonic() - core.step_log.last_end, 3),

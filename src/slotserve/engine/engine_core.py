@@ -9,21 +9,29 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from slotserve.config import EngineConfig, ModelConfig
+from slotserve.config import EngineConfig, ModelConfig, SpeculativeMethod
 from slotserve.engine.diagnostics import StepLog, StepRecord
 from slotserve.engine.executor import Executor, start_executor
-from slotserve.engine.model_runner import Sampled, ScheduledSeq, SeqResult, Want
-from slotserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineStats
-from slotserve.engine.scheduler import Scheduler
+from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, SeqResult, Want
+from slotserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineStats, SpeculationStats
+from slotserve.engine.scheduler import Scheduler, Stop
 from slotserve.engine.sequence import Sequence
+from slotserve.engine.speculative import (
+    DraftProposer,
+    DraftSlots,
+    NgramProposer,
+    check_speculation,
+    load_draft,
+)
 from slotserve.engine.worker import Rank, Worker
 from slotserve.engine.worker_process import ReportKind
 from slotserve.kv_cache.manager import KVCacheManager
-from slotserve.layers.sampler import SamplingState, prompt_logprobs
+from slotserve.layers.sampler import Sampled, SamplingState, prompt_logprobs
 from slotserve.models.pooling import PoolingConfig, load_pooling_config, resolve_task
 from slotserve.multimodal.inputs import RequestImages
 from slotserve.structured_outputs import Grammar, GrammarCompiler
@@ -65,8 +73,16 @@ class EngineCore:
         self.task = resolve_task(config.task, self.model_config.architecture, pooling)
         self.pooling = pooling or PoolingConfig()
 
+        spec = config.speculative_config
+        draft = None
+        if spec is not None:
+            check_speculation(config, self.model_config)
+            if spec.method is SpeculativeMethod.DRAFT_MODEL:
+                draft = load_draft(config, self.model_config, worker.dtype, worker.device)
         budget = config.kv_cache_memory or self._default_kv_budget()
         bytes_per_block = worker.cache_bytes_per_block()
+        if draft is not None:  # each block holds both models' keys and values of its positions
+            bytes_per_block += ModelRunner.cache_bytes_per_token(draft[1], worker.dtype) * config.block_size
         num_blocks = budget // bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory: {budget} bytes cannot hold one block of {bytes_per_block} bytes")
@@ -76,9 +92,16 @@ class EngineCore:
             self.workers.wait_for(ReportKind.LOADED)
             self.workers.allocate_cache(num_blocks)
         self.runner = worker.allocate_cache(num_blocks)
+        self.proposer: NgramProposer | DraftProposer | None = None
+        if spec is not None:
+            self.proposer = NgramProposer(spec) if draft is None else DraftProposer(
+                ModelRunner(*draft, num_blocks, config.block_size, prefill=config.prefill_precision),
+                config.max_num_batched_tokens)
+        self.speculation = SpeculationStats()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        slots = None if spec is None else DraftSlots(spec.num_speculative_tokens, spec.disable_by_batch_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.eos_token_ids,
-                                   self.max_model_len)
+                                   self.max_model_len, slots)
         self.requests: dict[str, Sequence] = {}
         self.step_log = StepLog()
         self.grammars = GrammarCompiler(Path(model_path) / "tokenizer.json", self.vocab_size,
@@ -113,6 +136,10 @@ class EngineCore:
             parts.append("decode steps: fused")
         if self.worker.weights_in_huge_pages:
             parts.append("weights in huge pages")
+        spec = self.config.speculative_config
+        if spec is not None:
+            parts.append(f"speculative decoding: {spec.method.value}" + (f" {spec.model}" if spec.model else "")
+                         + f", {spec.num_speculative_tokens} tokens")
         return parts
 
     @property
@@ -184,6 +211,7 @@ class EngineCore:
             kv_cache_usage=self.kv.pool.usage, num_blocks=self.kv.pool.num_blocks,
             num_free_blocks=self.kv.pool.num_free, max_model_len=self.max_model_len,
             prefix_cache_hit_rate=self.kv.stats.hit_rate, num_preemptions=self.scheduler.num_preemptions,
+            speculation=replace(self.speculation),
         )
 
     # ---- the step -----------------------------------------------------------------------------
@@ -195,6 +223,8 @@ class EngineCore:
         failed = self._failed_grammars(plan.scheduled)
         if not plan.scheduled:
             return failed
+        if self.proposer is not None:
+            self._propose(plan.scheduled)
         scheduled = time.perf_counter()
         self._encode_images(plan.scheduled)  # the vision tower's time counts as the model's
         seqs = [self._scheduled_seq(seq, num_new) for seq, num_new in plan.scheduled]
@@ -204,15 +234,25 @@ class EngineCore:
         for (seq, num_new), sched, result in zip(plan.scheduled, seqs, results, strict=True):
             if sched.want is Want.ALL:
                 self._score_prompt(seq, sched.start_pos, result.logits)
-            seq.num_computed_tokens += num_new
+            seq.num_computed_tokens += num_new - sched.num_draft  # proposed tokens count once kept
             self.kv.register_full_blocks(seq)
             done = seq.num_computed_tokens >= seq.num_tokens
             states.append(seq.sampling if done and seq.pooling is None else None)
-        sampled = self.runner.sample(results, states)
+        taken: list[list[Sampled]] = [[] for _ in seqs]
+        stops: list[Stop | None] = [None] * len(seqs)
+
+        def append(i: int, sampled: Sampled) -> bool:
+            taken[i].append(sampled)
+            stops[i] = self.scheduler.append_token(plan.scheduled[i][0], sampled.token)
+            return stops[i] is None
+
+        self.runner.sample(results, states, [seq.draft_token_ids for seq, _ in plan.scheduled], append)
         outputs = []
-        for (seq, _), result, token in zip(plan.scheduled, results, sampled, strict=True):
-            if token is not None:
-                outputs.append(self._append(seq, token))
+        for (seq, _), result, tokens, stop in zip(plan.scheduled, results, taken, stops, strict=True):
+            if seq.draft_token_ids:
+                self._verified(seq, len(tokens) - 1, stop)
+            if tokens:
+                outputs.append(self._output(seq, tokens, stop))
             elif seq.pooling is not None and seq.num_computed_tokens >= seq.num_tokens:
                 outputs.append(self._pool(seq, result.hidden[-1]))
         end = time.perf_counter()
@@ -220,17 +260,43 @@ class EngineCore:
                                      len(seqs), sum(len(s.token_ids) for s in seqs)))
         return failed + outputs
 
+    def _propose(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """Fills the room the scheduler left decoding sequences with proposed tokens; what stays empty is not
+        computed."""
+        room = [(i, seq, num_new - 1) for i, (seq, num_new) in enumerate(scheduled)
+                if num_new > seq.num_tokens - seq.num_computed_tokens]
+        if not room:
+            return
+        proposals = self.proposer.propose([seq for _, seq, _ in room], [k for _, _, k in room])
+        for (i, seq, k), drafts in zip(room, proposals, strict=True):
+            seq.draft_token_ids = drafts[:k]
+            scheduled[i] = (seq, 1 + len(seq.draft_token_ids))
+
+    def _verified(self, seq: Sequence, kept: int, stop: Stop | None) -> None:
+        """After a step verified the sequence's proposed tokens, of which it kept `kept`: their keys stay (those of
+        the rejected ones are overwritten later), and the draft model's cache is valid up to the first rejected."""
+        self.speculation.proposed += len(seq.draft_token_ids)
+        self.speculation.accepted += kept
+        self.speculation.verified += 1
+        seq.draft_token_ids = []
+        if stop is None:
+            seq.num_computed_tokens += kept
+            self.kv.register_full_blocks(seq)
+            seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
+
     @staticmethod
     def _scheduled_seq(seq: Sequence, num_new: int) -> ScheduledSeq:
         """A sequence's share of the step, and what the step gives back for it."""
         start = seq.num_computed_tokens
-        last_chunk = start + num_new == seq.num_tokens
+        drafts = seq.draft_token_ids
+        last_chunk = start + num_new - len(drafts) == seq.num_tokens
         scores_prompt = seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_token_ids)
         want = (Want.HIDDEN if seq.pooling else Want.ALL if scores_prompt
                 else Want.GREEDY if seq.sampling.takes_argmax() else Want.LAST)
         vision = seq.images.vision(start, start + num_new) if seq.images is not None else None
-        return ScheduledSeq(seq.token_ids(start, start + num_new), start, seq.block_table,
-                            want=want if last_chunk or scores_prompt else Want.NONE, vision=vision)
+        return ScheduledSeq(seq.token_ids(start, start + num_new - len(drafts)) + drafts, start, seq.block_table,
+                            want=want if last_chunk or scores_prompt else Want.NONE, vision=vision,
+                            num_draft=len(drafts))
 
     def _failed_grammars(self, scheduled: list[tuple[Sequence, int]]) -> list[EngineCoreOutput]:
         """Ends the scheduled requests whose grammar failed to compile for this tokenizer (the front end checked it
@@ -291,14 +357,14 @@ class EngineCore:
         entries = prompt_logprobs(rows[:len(tokens) - 1], tokens, seq.params.prompt_logprobs)
         seq.prompt_logprobs += entries[1:] if start else entries
 
-    def _append(self, seq: Sequence, sampled: Sampled) -> EngineCoreOutput:
-        first = not seq.output_token_ids
-        stop = self.scheduler.append_token(seq, sampled.token)
+    def _output(self, seq: Sequence, tokens: list[Sampled], stop: Stop | None) -> EngineCoreOutput:
+        """The output of the tokens the sequence took this step (the scheduler appended them)."""
+        first = len(seq.output_token_ids) == len(tokens)
         if stop is not None:
             self.requests.pop(seq.request_id, None)
         return EngineCoreOutput(
-            seq.request_id, [sampled.token],
-            new_logprobs=[sampled.logprobs] if seq.params.logprobs is not None else None,
+            seq.request_id, [t.token for t in tokens],
+            new_logprobs=[t.logprobs for t in tokens] if seq.params.logprobs is not None else None,
             prompt_logprobs=seq.prompt_logprobs if first else None,
             finish_reason=stop.reason if stop else None, stop_reason=stop.token if stop else None,
             num_cached_tokens=seq.num_cached_tokens,

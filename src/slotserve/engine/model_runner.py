@@ -25,11 +25,11 @@ from slotserve.layers.attention import (
     kv_head_shard,
     paged_decode_available,
 )
+from slotserve.layers.rejection_sampler import Append, sample_and_verify
 from slotserve.layers.sampler import Sampler, SamplingState, greedy
 from slotserve.models.fused_decode import MAX_TOKENS, FusedDecode
 from slotserve.models.packing import pack_linears
 from slotserve.multimodal.inputs import SeqVision, VisualRows
-from slotserve.outputs import PositionLogprobs
 from slotserve.parallel import ubatch
 from slotserve.parallel.ubatch import OverlapGate, UbatchPool
 
@@ -41,7 +41,7 @@ class Want(enum.Enum):
 
     LAST = "last"  # the logits of its last new position: `logits` [1, vocab]
     ALL = "all"  # the logits of every new position: `logits` [new tokens, vocab]
-    # The argmax of its last position's logits alone, `token`: the first index among ties, what the sampler's
+    # The argmax of its last position's logits alone, `tokens`: the first index among ties, what the sampler's
     # greedy rows take when nothing processes the logits.
     GREEDY = "greedy"
     HIDDEN = "hidden"  # its last position's final hidden state, for pooling: `hidden` [1, hidden_size]
@@ -50,13 +50,16 @@ class Want(enum.Enum):
 
 @dataclass
 class ScheduledSeq:
-    """One sequence's share of a step: `token_ids` are computed at positions start_pos, start_pos+1, ..."""
+    """One sequence's share of a step: `token_ids` are computed at positions start_pos, start_pos+1, ...; the last
+    `num_draft` of them are proposed tokens (speculative decoding), whose rows it wants as well as the last
+    (LAST, GREEDY: one row more each)."""
 
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
     want: Want = Want.LAST
     vision: SeqVision | None = None  # a vision-language model's positions and image rows; never sent to workers
+    num_draft: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.want, Want):
@@ -65,19 +68,12 @@ class ScheduledSeq:
 
 @dataclass(frozen=True)
 class SeqResult:
-    """What a step gave for one sequence: the field its `Want` names (float32), the others None."""
+    """What a step gave for one sequence: the field its `Want` names (float32), the others None. `logits` and
+    `tokens` hold a row for each wanted position (1 + num_draft)."""
 
     logits: torch.Tensor | None = None
-    token: int | None = None
+    tokens: list[int] | None = None
     hidden: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class Sampled:
-    """A sequence's next token, and its logprobs where it asked for them."""
-
-    token: int
-    logprobs: PositionLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -200,25 +196,48 @@ class ModelRunner:
     def execute(self, seqs: list[ScheduledSeq]) -> list[SeqResult]:
         """Runs one forward over all sequences' new tokens; per sequence, what its `want` asks for.
         BlockTableError where a sequence's block table does not hold its positions."""
+        if any(s.num_draft for s in seqs):
+            return self._verify(seqs)
         if (out := self._decode(seqs)) is not None:
             return out
         return self._forward(seqs)
 
-    def sample(self, results: list[SeqResult], states: list[SamplingState | None]) -> list[Sampled | None]:
-        """The next token of each sequence that has a state (None: it samples nothing this step): the argmax the
-        step took where it wanted one, else from its last row of logits by its sampling state, every such row in
-        one sampler call."""
-        out: list[Sampled | None] = [None] * len(results)
-        rows = [i for i, (result, state) in enumerate(zip(results, states, strict=True))
-                if state is not None and result.token is None]
-        for i, (result, state) in enumerate(zip(results, states, strict=True)):
-            if state is not None and result.token is not None:
-                out[i] = Sampled(result.token)
-        if rows:
-            picked = self.sampler(_one_tensor([results[i].logits[-1:] for i in rows]), [states[i] for i in rows])
-            for j, i in enumerate(rows):
-                out[i] = Sampled(picked.token_ids[j], picked.logprobs[j])
+    def _verify(self, seqs: list[ScheduledSeq]) -> list[SeqResult]:
+        """`execute` of a step with proposed tokens: each of a verified sequence's tokens computes as a decode row
+        of its own (one sequence's rows attend to the keys of those before, which the step writes first), so each
+        gets the bits it would get decoded alone, one step at a time, and the step can run fused."""
+        rows: list[ScheduledSeq] = []
+        for s in seqs:
+            if not s.num_draft:
+                rows.append(s)
+                continue
+            first = len(s.token_ids) - 1 - s.num_draft  # the tokens before the last computed are no decode rows
+            if first:
+                rows.append(replace(s, token_ids=s.token_ids[:first], want=Want.NONE, num_draft=0))
+            rows += [replace(s, token_ids=[t], start_pos=s.start_pos + first + j, num_draft=0)
+                     for j, t in enumerate(s.token_ids[first:])]
+        results = self._decode(rows) or self._forward(rows)
+        out, at = [], 0
+        for s in seqs:
+            if not s.num_draft:
+                out.append(results[at])
+                at += 1
+                continue
+            at += len(s.token_ids) - 1 - s.num_draft > 0
+            mine = results[at:at + 1 + s.num_draft]
+            at += 1 + s.num_draft
+            out.append(SeqResult(tokens=[r.tokens[0] for r in mine]) if s.want is Want.GREEDY
+                       else SeqResult(logits=torch.cat([r.logits for r in mine])))
         return out
+
+    def sample(self, results: list[SeqResult], states: list[SamplingState | None], drafts: list[list[int]],
+               append: Append) -> None:
+        """Gives each sequence that has a state its tokens of this step through `append` (None: it samples nothing
+        this step): the proposed tokens it keeps, then one of its own (layers/rejection_sampler.py), from the
+        argmax the step took where it wanted one, else from its rows of logits by its sampling state."""
+        rows = [r.logits if s is not None and r.tokens is None else None for r, s in zip(results, states, strict=True)]
+        picks = [r.tokens if s is not None else None for r, s in zip(results, states, strict=True)]
+        sample_and_verify(self.sampler, rows, picks, drafts, states, append)
 
     def _decode(self, seqs: list[ScheduledSeq]) -> list[SeqResult] | None:
         """`execute` of a step whose every sequence computes one token, through the fused kernel; None where the
@@ -241,7 +260,7 @@ class ModelRunner:
             if want in (Want.LAST, Want.ALL):
                 out.append(SeqResult(logits=rows[i]))
             elif want is Want.GREEDY:
-                out.append(SeqResult(token=picks[i]))
+                out.append(SeqResult(tokens=[picks[i]]))
             else:
                 out.append(SeqResult(hidden=step.hidden[i:i + 1].clone()) if want is Want.HIDDEN else SeqResult())
         return out
@@ -362,8 +381,12 @@ class ModelRunner:
                 offset += len(r)
         picks = [i for i, seq in enumerate(seqs) if seq.want is Want.GREEDY]
         if picks:
-            for i, token in zip(picks, greedy(torch.cat([out[i].logits for i in picks])).tolist(), strict=True):
-                out[i] = SeqResult(token=token)
+            tokens = greedy(torch.cat([out[i].logits for i in picks])).tolist()
+            at = 0
+            for i in picks:
+                n = len(out[i].logits)
+                out[i] = SeqResult(tokens=tokens[at:at + n])
+                at += n
         return out
 
 
@@ -375,17 +398,8 @@ def _step_kind(seqs: list[ScheduledSeq]) -> tuple[bool, int]:
 def _wanted_rows(seq: ScheduledSeq) -> range:
     """Which of a sequence's new tokens leave the model for what it wants."""
     n = len(seq.token_ids)
-    if seq.want in (Want.LAST, Want.GREEDY, Want.HIDDEN):
+    if seq.want in (Want.LAST, Want.GREEDY):
+        return range(n - 1 - seq.num_draft, n)
+    if seq.want is Want.HIDDEN:
         return range(n - 1, n)
     return range(n) if seq.want is Want.ALL else range(0)
-
-
-def _one_tensor(rows: list[torch.Tensor]) -> torch.Tensor:
-    """The rows [1, V] stacked: a view where they are consecutive rows of one tensor (the step's logits, when
-    every sequence samples), else a copy. 32 rows of 152k logits took 6 ms to copy, 3 % of a step."""
-    first = rows[0]
-    step = first.stride(0) * first.element_size()
-    if all(r.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and r.stride() == first.stride()
-           and r.data_ptr() == first.data_ptr() + i * step for i, r in enumerate(rows)):
-        return first.as_strided((len(rows), first.shape[1]), first.stride(), first.storage_offset())
-    return torch.cat(rows)

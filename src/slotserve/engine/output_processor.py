@@ -112,18 +112,22 @@ class OutputProcessor:
         return ProcessedOutputs(results, stopped, embeddings)
 
     def _update(self, seq: _Sequence, out: EngineCoreOutput) -> bool:
-        """Applies one core output; True when a stop string ended the sequence here."""
-        seq.token_ids += out.new_token_ids
-        if out.new_logprobs is not None and seq.logprobs is not None:
-            for token, position in zip(out.new_token_ids, out.new_logprobs, strict=True):
+        """Applies one core output; True when a stop string ended the sequence here. Its tokens (several where the
+        core decodes speculatively) are taken one at a time, so a stop string ends the sequence at the token that
+        completes it, as it would without speculation."""
+        tokens = out.new_token_ids
+        for k, token in enumerate(tokens):
+            seq.token_ids.append(token)
+            if out.new_logprobs is not None and seq.logprobs is not None:
+                position = out.new_logprobs[k]
                 seq.logprobs.append(self._name_tokens(position))
                 seq.cumulative_logprob += position[token].logprob
-        # An EOS or stop token ends the text before itself.
-        ended_by_token = out.finish_reason == "stop"
-        update = seq.detokenizer.update(out.new_token_ids, stop_terminated=ended_by_token)
-        if update.stop_string is not None:
-            seq.finish_reason, seq.stop_reason = "stop", update.stop_string
-            return out.finish_reason is None
+            # An EOS or stop token ends the text before itself.
+            ended_by_token = k == len(tokens) - 1 and out.finish_reason == "stop"
+            update = seq.detokenizer.update([token], stop_terminated=ended_by_token)
+            if update.stop_string is not None:
+                seq.finish_reason, seq.stop_reason = "stop", update.stop_string
+                return out.finish_reason is None
         if out.finish_reason is not None:
             seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
             seq.detokenizer.flush()

@@ -59,6 +59,26 @@ class ProcessedRequest:
 
 
 @dataclass
+class SpeculationStats:
+    """Speculative decoding since the engine started: tokens proposed, those kept, and the sequence-steps that
+    verified some."""
+
+    proposed: int = 0
+    accepted: int = 0
+    verified: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verifying sequence-step gave on average: those it kept and its own (vLLM's mean acceptance
+        length); 0 before any."""
+        return 1 + self.accepted / self.verified if self.verified else 0.0
+
+
+@dataclass
 class EngineStats:
     running: int
     waiting: int
@@ -68,6 +88,7 @@ class EngineStats:
     max_model_len: int
     prefix_cache_hit_rate: float
     num_preemptions: int
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)
 
 
 # ---- front end -> engine core ---------------------------------------------------------------------

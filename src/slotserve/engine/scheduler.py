@@ -6,6 +6,9 @@ long prompt), so they keep streaming while a new prompt is prefilled in chunks. 
 demand; when they run out, the newest running sequence is preempted: its blocks are freed and it
 waits at the head of the queue to be recomputed later (its full blocks often survive in the prefix
 cache, which makes the recompute cheap).
+
+With speculative decoding a decoding sequence computes its last token and room for proposed ones
+(`DraftSlots`); the engine fills what its proposer finds and gives back the rest of the room.
 """
 
 from __future__ import annotations
@@ -14,12 +17,15 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from slotserve.engine.sequence import Sequence, SequenceStatus
+from slotserve.engine.speculative import DraftSlots
 from slotserve.kv_cache.manager import KVCacheManager
 
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens to compute)
+    # (sequence, new tokens to compute): with speculative decoding, a decoding sequence's count holds the room for
+    # its proposed tokens.
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -37,8 +43,10 @@ class Stop:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None,
+                 draft_slots: DraftSlots | None = None) -> None:
         self.kv = kv
+        self.draft_slots = draft_slots
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.eos_token_ids, self.max_model_len = eos_token_ids, max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -51,10 +59,17 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        slots = self._slots()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            room = min(self._room(seq), slots, budget - 1) if slots and num_new == 1 else 0
+            if room and self.kv.allocate(seq, 1 + room):  # else without room, preempting if need be
+                out.scheduled.append((seq, 1 + room))
+                budget -= 1 + room
+                i += 1
+                continue
             while not self.kv.allocate(seq, num_new):
                 victim = self.running.pop()  # newest; never one already scheduled this step
                 self._preempt(victim)
@@ -86,6 +101,23 @@ class Scheduler:
         self.waiting.extendleft(reversed(compiling))
         return out
 
+    def _slots(self) -> int:
+        """The proposed tokens each decoding sequence may verify this step (speculative decoding)."""
+        if self.draft_slots is None:
+            return 0
+        decoding = sum(seq.num_tokens - seq.num_computed_tokens == 1 for seq in self.running)
+        return self.draft_slots.per_sequence(decoding, len(self.running))
+
+    def _room(self, seq: Sequence) -> int:
+        """How many proposed tokens could still become this sequence's: before max_tokens and the context's end
+        (the last of a step's tokens is always its own), none for one with images or for an embedding."""
+        if seq.images is not None or seq.pooling is not None:
+            return 0
+        room = seq.max_tokens - len(seq.output_token_ids) - 1
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - seq.num_tokens - 1)
+        return max(room, 0)
+
     def append_token(self, seq: Sequence, token: int) -> Stop | None:
         """Adds a sampled token to the sequence; where it ends the sequence (EOS, a stop token, max_tokens or the
         context limit), finishes it and says why."""
@@ -110,7 +142,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_draft_computed = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_token_ids):

@@ -36,6 +36,9 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_options: bool = True) -> Non
     g.add_argument("--prefill-precision", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="what a GGUF model's prefill multiplies in; auto: bfloat16 where the CPU has bfloat16 "
                         "dot products (AMX, AVX512-BF16), else float32 (the weights' exact values)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+                        '\'{"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}\'')
     g = p.add_argument_group("parallel (one model over several ranks)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks to split the model over (heads, MLP width, vocabulary); default 1")
@@ -111,7 +114,7 @@ def engine_config(args: argparse.Namespace):
                         ubatch_prefill_threshold=args.ubatch_prefill_threshold,
                         ubatch_adaptive=args.ubatch_adaptive,
                         limit_mm_per_prompt=args.limit_mm_per_prompt, image_min_pixels=args.image_min_pixels,
-                        image_max_pixels=args.image_max_pixels)
+                        image_max_pixels=args.image_max_pixels, speculative_config=args.speculative_config)
 
 
 def make_llm(args: argparse.Namespace):

@@ -116,12 +116,12 @@ def run_kernels(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
         rounds = 3 * args.repeats
         table = blocks(16 + args.decode_steps * (rounds + 1) + 1)
         resident(engine, table)
-        tokens = [runner.execute([ScheduledSeq(ids(16), 0, table, want=Want.GREEDY)])[0].token]
+        tokens = [runner.execute([ScheduledSeq(ids(16), 0, table, want=Want.GREEDY)])[0].tokens[0]]
 
         def decode_round() -> None:  # each token the argmax of the last, picked as the engine's greedy rows are
             for _ in range(args.decode_steps):
                 pos = 15 + len(tokens)
-                tokens.append(runner.execute([ScheduledSeq(tokens[-1:], pos, table, want=Want.GREEDY)])[0].token)
+                tokens.append(runner.execute([ScheduledSeq(tokens[-1:], pos, table, want=Want.GREEDY)])[0].tokens[0])
 
         read_s, decode_round_s = interleaved(read, decode_round, rounds)
         decode_s = decode_round_s / args.decode_steps

@@ -307,10 +307,13 @@ async def _log_stats(engine: AsyncLLM, metrics: ServerMetrics, interval: float) 
             continue
         metrics.update_engine(stats)
         prompt, gen = metrics.total_prompt_tokens, metrics.total_generation_tokens
+        spec = stats.speculation
         logger.info("prompt throughput %.1f tok/s, generation throughput %.1f tok/s, running %d, waiting %d, "
-                    "KV cache usage %.1f%%, prefix cache hit rate %.1f%%",
+                    "KV cache usage %.1f%%, prefix cache hit rate %.1f%%%s",
                     (prompt - last_prompt) / interval, (gen - last_gen) / interval, stats.running, stats.waiting,
-                    100 * stats.kv_cache_usage, 100 * stats.prefix_cache_hit_rate)
+                    100 * stats.kv_cache_usage, 100 * stats.prefix_cache_hit_rate,
+                    f", draft acceptance rate {100 * spec.acceptance_rate:.1f}%, mean accepted length "
+                    f"{spec.mean_accepted_length:.2f}" if spec.proposed else "")
         last_prompt, last_gen = prompt, gen
 
 

@@ -37,6 +37,11 @@ class ServerMetrics:
         self.kv_blocks = gauge("kv_cache_blocks", "KV cache blocks in the pool")
         self.kv_free_blocks = gauge("kv_cache_free_blocks", "KV cache blocks free (cached prefixes included)")
         self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up")
+        self.spec_proposed = gauge("spec_decode_num_draft_tokens", "Tokens proposed by speculative decoding")
+        self.spec_accepted = gauge("spec_decode_num_accepted_tokens", "Proposed tokens the target model kept")
+        self.spec_acceptance = gauge("spec_decode_acceptance_rate", "Proposed tokens kept / proposed")
+        self.spec_length = gauge("spec_decode_mean_accepted_length",
+                                 "Tokens per verifying sequence-step: those kept and its own")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self.finished = Counter("slotserve:request_success", "Requests finished, by reason",
@@ -65,6 +70,11 @@ class ServerMetrics:
         self.kv_blocks.set(stats.num_blocks)
         self.kv_free_blocks.set(stats.num_free_blocks)
         self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
+        spec = stats.speculation
+        self.spec_proposed.set(spec.proposed)
+        self.spec_accepted.set(spec.accepted)
+        self.spec_acceptance.set(spec.acceptance_rate)
+        self.spec_length.set(spec.mean_accepted_length)
 
     def update_diagnostics(self, engine: dict, front_end_threads: list[dict]) -> None:
         for queue, depth in engine["queues"].items():

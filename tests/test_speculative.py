@@ -1,0 +1,217 @@
+"""Speculative decoding: n-gram and draft-model proposals verified inside continuous batching. Greedy output is the
+non-speculative output token for token, alone and batched, through preemption and prefix caching; random sampling
+keeps the target distribution (rejection sampling)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from slotserve import SamplingParams
+from slotserve.config import EngineConfig, SpeculativeConfig, SpeculativeMethod
+from slotserve.engine.llm_engine import LLMEngine
+from slotserve.engine.speculative import DraftSlots, ngram_lookup
+from slotserve.layers.rejection_sampler import sample_and_verify
+from slotserve.layers.sampler import Sampled, Sampler, SamplingState, probabilities
+from tests.conftest import build_tiny_model
+
+BLOCK = 4
+KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4  # K and V, 2 layers, 2 kv heads, head_dim 32, float32
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+_rng = random.Random(1)
+
+
+def _prompt(n: int) -> list[int]:
+    """Random tokens, half of the prompts with a repeated stretch: something for prompt lookup to find."""
+    tokens = [_rng.randrange(1000, 50_000) for _ in range(n)]
+    return tokens + tokens[: n // 2] if n % 2 else tokens
+
+
+PROMPTS = [_prompt(n) for n in (5, 17, 33, 8, 60, 12, 41, 3, 9, 26, 14, 7, 21, 50, 11, 30)]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def make_engine(path, blocks=1024, **kwargs) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(path), block_size=BLOCK,
+                                  kv_cache_memory=blocks * BLOCK * KV_BYTES_PER_TOKEN, **kwargs))
+
+
+def run(engine: LLMEngine, prompts, params=GREEDY, arrivals=None) -> dict[str, list[int]]:
+    """Runs prompts to completion (arrivals[i]: the step prompt i comes in); the pool is whole after."""
+    arrivals = arrivals or [0] * len(prompts)
+    done: dict[str, list[int]] = {}
+    step = 0
+    while len(done) < len(prompts):
+        for i, prompt in enumerate(prompts):
+            if arrivals[i] == step:
+                engine.add_request(f"r{i}", prompt, params)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        step += 1
+    engine.kv.pool.check_whole()
+    return done
+
+
+@pytest.fixture(scope="module")
+def solo(tiny_qwen3):
+    """Each prompt's greedy tokens, alone and without speculation: the reference."""
+    engine = make_engine(tiny_qwen3, enable_prefix_caching=False)
+    return {f"r{i}": run(engine, [p])["r0"] for i, p in enumerate(PROMPTS)}
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory):
+    """A draft of the target's shape and tokenizer, with other random weights: it is mostly wrong."""
+    path = tmp_path_factory.mktemp("tiny-qwen3-draft")
+    build_tiny_model(path, "qwen3", tie=True, seed=7)
+    return path
+
+
+def _draft(path, k=3) -> dict:
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k}
+
+
+@pytest.mark.parametrize("spec", ["ngram", "self_draft", "other_draft"])
+def test_greedy_output_is_the_plain_output_alone_and_batched(tiny_qwen3, other_draft, solo, spec):
+    config = {"ngram": NGRAM, "self_draft": _draft(tiny_qwen3), "other_draft": _draft(other_draft)}[spec]
+    engine = make_engine(tiny_qwen3, speculative_config=config)
+    alone = {f"r{i}": run(engine, [p])["r0"] for i, p in enumerate(PROMPTS)}
+    assert alone == solo
+    assert run(engine, PROMPTS, arrivals=[i // 3 for i in range(len(PROMPTS))]) == solo
+    stats = engine.core.speculation
+    assert stats.proposed > 0 and stats.verified > 0
+    if spec == "self_draft":  # the target drafting for itself: every proposal kept
+        assert stats.accepted == stats.proposed
+    elif spec == "ngram":  # random models repeat themselves now and then
+        assert 0 < stats.accepted < stats.proposed
+    else:  # another random model is (nearly) always wrong: the rejections' path
+        assert stats.accepted < stats.proposed
+
+
+@pytest.mark.parametrize("spec", ["ngram", "draft"])
+def test_preemption_and_prefix_caching_keep_the_output(tiny_qwen3, solo, spec):
+    config = NGRAM if spec == "ngram" else _draft(tiny_qwen3)
+    # 32 blocks of 4 tokens (a draft model's cache takes half the memory): sequences are preempted and recomputed.
+    engine = make_engine(tiny_qwen3, blocks=32 if spec == "ngram" else 64, speculative_config=config,
+                         max_num_batched_tokens=32)
+    assert run(engine, PROMPTS) == solo
+    assert engine.core.scheduler.num_preemptions > 0
+    again = run(engine, PROMPTS[:4] * 2)  # the prompts again, twice: prefix hits
+    assert again == {f"r{i}": solo[f"r{i % 4}"] for i in range(8)}
+    assert engine.core.kv.stats.hit_tokens > 0
+
+
+def test_the_length_limits_hold_with_proposals(tiny_qwen3):
+    engine = make_engine(tiny_qwen3, speculative_config=_draft(tiny_qwen3, k=5), max_model_len=40)
+    plain = make_engine(tiny_qwen3, max_model_len=40)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]  # 7, 25 and 8 tokens
+    for n in (1, 2, 3, 7):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        out = run(engine, prompts, params)
+        assert out == run(plain, prompts, params) and all(len(t) == n for t in out.values())
+    long = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)  # to the end of the context
+    out = run(engine, [PROMPTS[1]], long)
+    assert out == run(plain, [PROMPTS[1]], long) and len(out["r0"]) == 40 - 25
+
+
+def test_stop_tokens_and_penalties_end_as_without_proposals(tiny_qwen3, solo):
+    engine = make_engine(tiny_qwen3, speculative_config=_draft(tiny_qwen3))
+    plain = make_engine(tiny_qwen3)
+    stop_at = solo["r4"][5]
+    for params in (SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_at]),
+                   SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3,
+                                  logprobs=2)):
+        assert run(engine, PROMPTS, params) == run(plain, PROMPTS, params)
+
+
+def test_seeded_sampling_with_proposals_is_reproducible(tiny_qwen3):
+    params = SamplingParams(temperature=0.8, top_k=20, max_tokens=16, seed=3, ignore_eos=True)
+    first = run(make_engine(tiny_qwen3, speculative_config=_draft(tiny_qwen3)), PROMPTS[:6], params)
+    again = run(make_engine(tiny_qwen3, speculative_config=_draft(tiny_qwen3)), PROMPTS[:6], params)
+    assert first == again
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token of probability zero was drawn"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4),
+                                    SamplingParams(temperature=1.3, top_p=0.8, min_p=0.02)])
+def test_rejection_sampling_keeps_the_target_distribution(params):
+    """Two rows, one proposal: the first token must follow row 0's distribution, and where the proposal is kept,
+    the second row 1's, whatever was proposed (a likely token and an unlikely one)."""
+    vocab, trials = 8, 6000
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -0.5, 1.5, -1.0, 0.2], [0.3, -0.2, 1.1, 0.9, 0.0, -1.0, 0.6, 0.1]])
+    sampler = Sampler()
+    targets = []
+    for r in range(2):
+        state = SamplingState.new(params, [1], [], vocab)
+        targets.append(probabilities(logits[r:r + 1], [state])[0])
+    for proposed in (0, 6):
+        first, second = torch.zeros(vocab), torch.zeros(vocab)
+        for t in range(trials):
+            state = SamplingState.new(dataclasses.replace(params, seed=t), [1], [], vocab)
+            taken: list[Sampled] = []
+
+            def append(_i: int, sampled: Sampled, taken=taken) -> bool:
+                taken.append(sampled)
+                return True
+
+            sample_and_verify(sampler, [logits], [None], [[proposed]], [state], append)
+            first[taken[0].token] += 1
+            if taken[0].token == proposed:
+                assert len(taken) == 2
+                second[taken[1].token] += 1
+            else:
+                assert len(taken) == 1
+        # Chi-square of 7 degrees of freedom: 24.3 is its 0.1 % tail. Seeded: the same every run.
+        assert _chi_square(first, targets[0]) < 24.3
+        assert _chi_square(second, targets[1]) < 24.3
+
+
+def test_ngram_lookup_takes_the_longest_then_the_latest_match():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3]
+    assert ngram_lookup(tokens, 3, 1, 3) == [4, 5, 7]  # "2 3" last seen before "4 5 7"
+    assert ngram_lookup(tokens, 1, 1, 1) == [4]
+    assert ngram_lookup([5, 6, 7], 2, 1, 3) == []
+    assert ngram_lookup([1, 2, 3, 4], 2, 2, 2) == []  # only the suffix itself
+    # A match in the bytes across two tokens is no match: 256 = 00 01 00 00, 1 = 01 00 00 00.
+    assert ngram_lookup([256, 0, 7, 1, 0], 1, 2, 2) == []
+    assert ngram_lookup([1, 2, 8, 1, 2], 4, 2, 5) == [8, 1, 2]
+
+
+def test_draft_slots_turn_down_with_the_batch():
+    slots = DraftSlots(4, None)
+    assert [slots.per_sequence(n, n) for n in (1, 8, 16, 31, 32, 40)] == [4, 4, 3, 1, 1, 0]
+    assert DraftSlots(4, 8).per_sequence(2, 8) == 0 and DraftSlots(4, 8).per_sequence(2, 7) == 4
+
+
+def test_speculative_config_errors_name_the_field():
+    assert EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 3}').speculative_config \
+        == SpeculativeConfig(SpeculativeMethod.NGRAM, 3)
+    for bad, field in (({"method": "medusa", "num_speculative_tokens": 2}, "speculative_config.method"),
+                       ({"method": "ngram"}, "num_speculative_tokens"),
+                       ({"method": "ngram", "num_speculative_tokens": -1}, "num_speculative_tokens"),
+                       ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 6}, "prompt_lookup_min"),
+                       ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
+                       ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown field 'k'"),
+                       ("{not json", "not JSON")):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(speculative_config=bad)
+
+
+def test_a_draft_of_another_vocabulary_is_refused(tiny_qwen3, tmp_path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tests.conftest import TINY
+
+    Qwen3ForCausalLM(Qwen3Config(**{**TINY, "vocab_size": 1000}, head_dim=32)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="speculative_config.model: .* vocabulary"):
+        make_engine(tiny_qwen3, speculative_config=_draft(tmp_path))
