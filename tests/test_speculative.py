@@ -213,5 +213,5 @@ def test_a_draft_of_another_vocabulary_is_refused(tiny_qwen3, tmp_path):
     from tests.conftest import TINY
 
     Qwen3ForCausalLM(Qwen3Config(**{**TINY, "vocab_size": 1000}, head_dim=32)).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="speculative_config.model: .* vocabulary"):
+    with pytest.raises(ValueError, match=r"speculative_config.model: .* vocabulary"):
         make_engine(tiny_qwen3, speculative_config=_draft(tmp_path))

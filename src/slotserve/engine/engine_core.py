@@ -99,9 +99,10 @@ class EngineCore:
                 config.max_num_batched_tokens)
         self.speculation = SpeculationStats()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        slots = None if spec is None else DraftSlots(spec.num_speculative_tokens, spec.disable_by_batch_size)
+        self._draft_slots = None if spec is None else DraftSlots(spec.num_speculative_tokens,
+                                                                 spec.disable_by_batch_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.eos_token_ids,
-                                   self.max_model_len, slots)
+                                   self.max_model_len, self._draft_slots)
         self.requests: dict[str, Sequence] = {}
         self.step_log = StepLog()
         self.grammars = GrammarCompiler(Path(model_path) / "tokenizer.json", self.vocab_size,
@@ -201,6 +202,11 @@ class EngineCore:
             seq = self.requests.pop(request_id, None)
             if seq is not None:
                 self.scheduler.finish(seq, reason)
+
+    def speculate(self, on: bool) -> None:
+        """Lets the scheduler leave room for proposals again, or no more (a benchmark compares both on one engine);
+        without a speculative_config there are none either way."""
+        self.scheduler.draft_slots = self._draft_slots if on else None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0

@@ -204,6 +204,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from slotserve.bench.quality import run_quality
 
         result = run_quality(engine_config(args), args)
+    elif args.bench == "spec":
+        from slotserve.bench.spec import run_spec
+
+        result = run_spec(make_llm(args).engine, args)
     elif args.bench == "serve":
         from slotserve.bench.serve import run_serve_bench
 
@@ -343,6 +347,13 @@ def build_parser() -> argparse.ArgumentParser:
     b = bench.add_parser("quality", help="the engine as configured against the model's float32 reference: "
                                          "perplexity, greedy agreement, decode speed")
     quality_args(b)
+    add_engine_args(b)
+    b.set_defaults(func=cmd_bench)
+    b = bench.add_parser("spec", help="speculative decoding (--speculative-config): decode tokens/s with and without "
+                                      "it, at batch 1 and several clients, on code edits and on free chat")
+    b.add_argument("--output-len", type=int, default=128, help="most tokens per answer (greedy; EOS ends it)")
+    b.add_argument("--num-prompts", type=int, default=8, help="prompts of each kind (at most 8)")
+    b.add_argument("--clients", type=int, nargs="+", default=[8], help="requests at once, besides 1 (default 8)")
     add_engine_args(b)
     b.set_defaults(func=cmd_bench)
     b = bench.add_parser("serve", help="load a running server: request throughput, TTFT, TPOT, ITL")
