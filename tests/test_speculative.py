@@ -13,6 +13,7 @@ import torch
 from slotserve import SamplingParams
 from slotserve.config import EngineConfig, SpeculativeConfig, SpeculativeMethod
 from slotserve.engine.llm_engine import LLMEngine
+from slotserve.engine.sequence import Sequence
 from slotserve.engine.speculative import DraftSlots, ngram_lookup
 from slotserve.layers.rejection_sampler import sample_and_verify
 from slotserve.layers.sampler import Sampled, Sampler, SamplingState, probabilities
@@ -187,10 +188,28 @@ def test_ngram_lookup_takes_the_longest_then_the_latest_match():
     assert ngram_lookup([1, 2, 8, 1, 2], 4, 2, 5) == [8, 1, 2]
 
 
-def test_draft_slots_turn_down_with_the_batch():
+def test_draft_slots_stay_within_the_rows_and_the_batch_size():
     slots = DraftSlots(4, None)
-    assert [slots.per_sequence(n, n) for n in (1, 8, 16, 31, 32, 40)] == [4, 4, 3, 1, 1, 0]
-    assert DraftSlots(4, 8).per_sequence(2, 8) == 0 and DraftSlots(4, 8).per_sequence(2, 7) == 4
+    assert [slots.most(n, n) for n in (1, 8, 16, 31, 32, 40)] == [4, 4, 3, 1, 1, 0]
+    assert DraftSlots(4, 8).most(2, 8) == 0 and DraftSlots(4, 8).most(2, 7) == 4
+
+
+def test_draft_slots_take_the_k_of_the_most_tokens_a_second():
+    slots = DraftSlots(3, None)
+    seqs = [Sequence("a", [1], GREEDY, None, 8), Sequence("b", [1], GREEDY, None, 8)]
+    seconds = (1.0, 1.3, 2.0, 2.5)  # rows that cost by the row, as exact products on a CPU's vector units
+    tried = []
+    for _ in range(8):
+        tried.append(slots.choose(seqs, 2))
+        slots.record(2, tried[-1], seconds[tried[-1]])
+    assert tried == [0, 0, 1, 1, 2, 2, 3, 3]  # each K timed twice first
+    for acceptance, best in ((0.9, 1), (0.2, 0), (1.0, 3)):
+        for seq in seqs:
+            seq.draft_acceptance = acceptance
+        assert slots.choose(seqs, 2) == best
+    # Every PROBE_EVERY decisions another K is tried again.
+    picks = [slots.choose(seqs, 2) for _ in range(2 * DraftSlots.PROBE_EVERY)]
+    assert picks.count(3) == 2 * DraftSlots.PROBE_EVERY - 2 and len(set(picks)) == 3
 
 
 def test_speculative_config_errors_name_the_field():

@@ -39,6 +39,7 @@ from slotserve.structured_outputs import Grammar, GrammarCompiler
 logger = logging.getLogger("slotserve")
 
 _CPU_KV_CACHE_BYTES = 1 << 30
+SMOOTHING = 0.3  # the weight of a step in a sequence's running average of kept proposals
 
 
 class EngineCore:
@@ -262,6 +263,9 @@ class EngineCore:
             elif seq.pooling is not None and seq.num_computed_tokens >= seq.num_tokens:
                 outputs.append(self._pool(seq, result.hidden[-1]))
         end = time.perf_counter()
+        decoding, k = self.scheduler.slots
+        if self._draft_slots is not None and decoding == len(plan.scheduled) and decoding:  # a decode step: timed
+            self._draft_slots.record(decoding, k, end - began)
         self.step_log.add(StepRecord(time.time(), end - began, scheduled - began, ran - scheduled, end - ran,
                                      len(seqs), sum(len(s.token_ids) for s in seqs)))
         return failed + outputs
@@ -284,6 +288,8 @@ class EngineCore:
         self.speculation.proposed += len(seq.draft_token_ids)
         self.speculation.accepted += kept
         self.speculation.verified += 1
+        tried = kept + (kept < len(seq.draft_token_ids))  # the proposals checked: those kept, and one rejected
+        seq.draft_acceptance += SMOOTHING * (kept / tried - seq.draft_acceptance)
         seq.draft_token_ids = []
         if stop is None:
             seq.num_computed_tokens += kept

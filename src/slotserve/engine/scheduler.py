@@ -52,6 +52,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.slots = (0, 0)  # the latest step's decoding sequences and the proposals' room each had
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -102,11 +103,14 @@ class Scheduler:
         return out
 
     def _slots(self) -> int:
-        """The proposed tokens each decoding sequence may verify this step (speculative decoding)."""
+        """The proposed tokens each decoding sequence may verify this step (speculative decoding); kept in
+        `slots`, with the decoding sequences' count, for the engine to time the step by."""
+        self.slots = (0, 0)
         if self.draft_slots is None:
             return 0
-        decoding = sum(seq.num_tokens - seq.num_computed_tokens == 1 for seq in self.running)
-        return self.draft_slots.per_sequence(decoding, len(self.running))
+        decoding = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens == 1]
+        self.slots = (len(decoding), self.draft_slots.choose(decoding, len(self.running)))
+        return self.slots[1]
 
     def _room(self, seq: Sequence) -> int:
         """How many proposed tokens could still become this sequence's: before max_tokens and the context's end

@@ -40,10 +40,11 @@ class Sequence:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     pooling: PoolingParams | None = None
     images: RequestImages | None = None
-    # Speculative decoding: the tokens proposed for this step, and how many of its tokens the draft model's
-    # cache holds (engine/speculative.py).
+    # Speculative decoding: the tokens proposed for this step, how many of its tokens the draft model's cache
+    # holds, and the running average of how often a proposal it was verified for was kept (engine/speculative.py).
     draft_token_ids: list[int] = field(default_factory=list)
     num_draft_computed: int = 0
+    draft_acceptance: float = 0.5
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """(prompt + output tokens)[start:end], without building the whole list: a decode step reads one token

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import array
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,18 +27,56 @@ from slotserve.models.loader import load_model
 logger = logging.getLogger("slotserve")
 
 
-@dataclass(frozen=True)
 class DraftSlots:
-    """How many proposed tokens the scheduler leaves room for per decoding sequence and step."""
+    """How many proposed tokens each decoding sequence gets room for in a step: the K of 0..num_tokens that gives
+    the most tokens a second, by the measured time of steps of as many decoding sequences with K slots, and the
+    expected tokens each sequence keeps at its own acceptance so far. Proposals pay only where verifying K more
+    rows costs less than the tokens they give: a step that reads the weights once for several rows does, one
+    whose rows are bound by arithmetic (a large batch, or a CPU whose exact products cost by the row) does not,
+    and then this keeps K at 0."""
 
-    num_tokens: int  # the most per sequence
-    disable_by_batch_size: int | None  # none from this many running sequences on; None: by `max_rows`
-    max_rows: int = MAX_TOKENS  # the most rows a step verifies: where the native decode step runs them all
+    WARM_UP = 2  # timed steps of each (sequences, K) before its time is trusted
+    PROBE_EVERY = 64  # decisions between tries of another K, so a change in load is seen
+    SMOOTHING = 0.3  # the weight of a new step's time in its running average
 
-    def per_sequence(self, decoding: int, running: int) -> int:
+    def __init__(self, num_tokens: int, disable_by_batch_size: int | None, max_rows: int = MAX_TOKENS) -> None:
+        self.num_tokens, self.disable_by_batch_size, self.max_rows = num_tokens, disable_by_batch_size, max_rows
+        self.seconds: dict[tuple[int, int], float] = {}  # (decoding sequences, K) -> a step's time
+        self.samples: dict[tuple[int, int], int] = {}
+        self.decisions: dict[int, int] = {}
+
+    def most(self, decoding: int, running: int) -> int:
+        """The largest K allowed: all verify rows within `max_rows` (where the native decode step runs them), none
+        from `disable_by_batch_size` running sequences on."""
         if not decoding or (self.disable_by_batch_size is not None and running >= self.disable_by_batch_size):
             return 0
         return max(0, min(self.num_tokens, self.max_rows // decoding - 1))
+
+    def choose(self, decoding: list[Sequence], running: int) -> int:
+        n, most = len(decoding), self.most(len(decoding), running)
+        if most == 0:
+            return 0
+        for k in range(most + 1):  # each K timed a few times first
+            if self.samples.get((n, k), 0) < self.WARM_UP:
+                return k
+        made = self.decisions[n] = self.decisions.get(n, 0) + 1
+        if made % self.PROBE_EVERY == 0:
+            return made // self.PROBE_EVERY % (most + 1)
+        return max(range(most + 1), key=lambda k: sum(expected_tokens(s.draft_acceptance, k) for s in decoding)
+                   / self.seconds[(n, k)])
+
+    def record(self, decoding: int, k: int, seconds: float) -> None:
+        """The time of a step of `decoding` sequences, all decoding, with room for k proposed tokens each."""
+        key = (decoding, k)
+        known = self.seconds.get(key)
+        self.seconds[key] = seconds if known is None else known + self.SMOOTHING * (seconds - known)
+        self.samples[key] = self.samples.get(key, 0) + 1
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a verifying step gives a sequence with k proposals, each kept with probability `acceptance` while
+    those before it were: 1 + a + a^2 + ... + a^k."""
+    return sum(acceptance ** i for i in range(k + 1))
 
 
 class NgramProposer:
