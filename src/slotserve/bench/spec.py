@@ -78,10 +78,11 @@ def run_spec(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
         for clients in sorted({1, *args.clients}):
             row: dict[str, Any] = {}
             runs = {}
+            batch = [prompts[i % len(prompts)] for i in range(max(len(prompts), clients))]  # repeated to fill it
             for on in (False, True):
                 engine.core.speculate(on)
                 before = engine.stats().speculation
-                run = _decode(engine, prompts, params, clients)
+                run = _decode(engine, prompts if clients == 1 else batch, params, clients)
                 after = engine.stats().speculation
                 runs[on] = run
                 row["spec" if on else "plain"] = {"decode_tokens_per_s": round(run.decoded / run.seconds, 2)}
