@@ -5,6 +5,7 @@ keeps the target distribution (rejection sampling)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 
 import pytest
@@ -234,3 +235,36 @@ def test_a_draft_of_another_vocabulary_is_refused(tiny_qwen3, tmp_path):
     Qwen3ForCausalLM(Qwen3Config(**{**TINY, "vocab_size": 1000}, head_dim=32)).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"speculative_config.model: .* vocabulary"):
         make_engine(tiny_qwen3, speculative_config=_draft(tmp_path))
+
+
+def test_a_server_reports_its_proposals(tiny_qwen3):
+    import httpx
+
+    from tests.servers import MODEL, Server
+
+    srv = Server(tiny_qwen3, "--speculative-config", json.dumps(NGRAM))
+    try:
+        prompt = " ".join(["one two three four"] * 8)
+        out = srv.client().completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0)
+        assert out.usage.completion_tokens == 32 or out.choices[0].finish_reason == "stop"
+        debug = httpx.get(f"{srv.url}/debug/engine").json()
+        spec = next(v for k, v in _walk(debug) if k == "speculative")
+        assert spec["method"] == "ngram" and spec["proposed"] > 0 and 0 <= spec["acceptance_rate"] <= 1
+        metrics = httpx.get(f"{srv.url}/metrics").text
+        for name in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_acceptance_rate",
+                     "spec_decode_mean_accepted_length"):
+            assert f"slotserve:{name}" in metrics
+        assert f'slotserve:spec_decode_num_draft_tokens{{model_name="{MODEL}"}} {float(spec["proposed"])}' in metrics
+    finally:
+        assert srv.stop() == 0
+
+
+def _walk(value, key=None):
+    """Every (key, value) of a JSON document, nested ones too."""
+    yield key, value
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _walk(v, k)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _walk(v)
