@@ -23,15 +23,21 @@ def assert_figures(figures: Mapping[str, Any], *keys: str) -> None:
 
 
 def run_to_completion(engine: Any, prompts: Sequence[list[int]], params: Any,
-                      images: Sequence[Sequence[Any]] | None = None) -> dict[str, list[int]]:
-    """Adds the prompts (with their `images`, where given) as requests r0, r1, ... to an `LLMEngine`, steps it
-    until all finish, checks that every KV block is back in the pool; each request's token ids."""
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params, *([images[i]] if images is not None else []))
+                      images: Sequence[Sequence[Any]] | None = None,
+                      arrivals: Sequence[int] | None = None) -> dict[str, list[int]]:
+    """Adds the prompts (with their `images`, where given) as requests r0, r1, ... to an `LLMEngine` (prompt i at
+    step arrivals[i], where given, else all at once), steps it until all finish, checks that every KV block is back
+    in the pool; each request's token ids."""
+    arrivals = arrivals or [0] * len(prompts)
     done: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
+    step = 0
+    while len(done) < len(prompts):
+        for i, prompt in enumerate(prompts):
+            if arrivals[i] == step:
+                engine.add_request(f"r{i}", prompt, params, *([images[i]] if images is not None else []))
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
+        step += 1
     engine.kv.pool.check_whole()
     return done

@@ -15,6 +15,7 @@ from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
 from slotserve.engine.sequence import Sequence
 from slotserve.layers.sampler import SamplingState
+from tests.helpers import run_to_completion
 
 BLOCK = 4
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4  # K and V, 2 layers, 2 kv heads, head_dim 32, float32
@@ -29,20 +30,7 @@ def make_engine(path, blocks=512, **kwargs) -> LLMEngine:
 
 
 def run(engine: LLMEngine, prompts, params=GREEDY, arrivals=None) -> dict[str, list[int]]:
-    """Runs prompts to completion; arrivals[i] is the step at which prompt i is added."""
-    arrivals = arrivals or [0] * len(prompts)
-    done: dict[str, list[int]] = {}
-    step = 0
-    while len(done) < len(prompts):
-        for i, prompt in enumerate(prompts):
-            if arrivals[i] == step:
-                engine.add_request(f"r{i}", prompt, params)
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        step += 1
-    engine.kv.pool.check_whole()
-    return done
+    return run_to_completion(engine, prompts, params, arrivals=arrivals)
 
 
 @pytest.fixture(scope="module")

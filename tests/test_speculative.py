@@ -19,6 +19,7 @@ from slotserve.engine.speculative import DraftSlots, ngram_lookup
 from slotserve.layers.rejection_sampler import sample_and_verify
 from slotserve.layers.sampler import Sampled, Sampler, SamplingState, probabilities
 from tests.conftest import build_tiny_model
+from tests.helpers import run_to_completion
 
 BLOCK = 4
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4  # K and V, 2 layers, 2 kv heads, head_dim 32, float32
@@ -42,20 +43,7 @@ def make_engine(path, blocks=1024, **kwargs) -> LLMEngine:
 
 
 def run(engine: LLMEngine, prompts, params=GREEDY, arrivals=None) -> dict[str, list[int]]:
-    """Runs prompts to completion (arrivals[i]: the step prompt i comes in); the pool is whole after."""
-    arrivals = arrivals or [0] * len(prompts)
-    done: dict[str, list[int]] = {}
-    step = 0
-    while len(done) < len(prompts):
-        for i, prompt in enumerate(prompts):
-            if arrivals[i] == step:
-                engine.add_request(f"r{i}", prompt, params)
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        step += 1
-    engine.kv.pool.check_whole()
-    return done
+    return run_to_completion(engine, prompts, params, arrivals=arrivals)
 
 
 @pytest.fixture(scope="module")

@@ -112,7 +112,7 @@ def _decode(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
     """The prompts, `clients` at a time (each round waits for its slowest); decode time counts from each round's
     last first token, so prefill is left out of the figure."""
     tokens: dict[str, list[int]] = {}
-    seconds = decoded = 0.0
+    seconds, decoded = 0.0, 0
     for start in range(0, len(prompts), clients):
         ids = [f"spec-{start + i}" for i in range(len(prompts[start:start + clients]))]
         for request_id, prompt in zip(ids, prompts[start:start + clients], strict=True):
@@ -128,4 +128,4 @@ def _decode(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
                 began, at_start = time.perf_counter(), dict(latest)
         seconds += time.perf_counter() - began
         decoded += sum(len(tokens[r]) - at_start[r] for r in ids)
-    return Run(tokens, seconds, int(decoded))
+    return Run(tokens, seconds, decoded)

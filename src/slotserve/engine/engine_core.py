@@ -27,6 +27,7 @@ from slotserve.engine.speculative import (
     NgramProposer,
     check_speculation,
     load_draft,
+    note_acceptance,
 )
 from slotserve.engine.worker import Rank, Worker
 from slotserve.engine.worker_process import ReportKind
@@ -39,7 +40,6 @@ from slotserve.structured_outputs import Grammar, GrammarCompiler
 logger = logging.getLogger("slotserve")
 
 _CPU_KV_CACHE_BYTES = 1 << 30
-SMOOTHING = 0.3  # the weight of a step in a sequence's running average of kept proposals
 
 
 class EngineCore:
@@ -288,8 +288,7 @@ class EngineCore:
         self.speculation.proposed += len(seq.draft_token_ids)
         self.speculation.accepted += kept
         self.speculation.verified += 1
-        tried = kept + (kept < len(seq.draft_token_ids))  # the proposals checked: those kept, and one rejected
-        seq.draft_acceptance += SMOOTHING * (kept / tried - seq.draft_acceptance)
+        note_acceptance(seq, kept)
         seq.draft_token_ids = []
         if stop is None:
             seq.num_computed_tokens += kept

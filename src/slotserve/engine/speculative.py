@@ -12,7 +12,6 @@ bound by reading the weights; it reads them once for every token it keeps.
 from __future__ import annotations
 
 import array
-import logging
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ from slotserve.model_store import resolve_model
 from slotserve.models.fused_decode import MAX_TOKENS
 from slotserve.models.loader import load_model
 
-logger = logging.getLogger("slotserve")
+SMOOTHING = 0.3  # the weight of a new step in a running average (a step's time, a sequence's kept proposals)
 
 
 class DraftSlots:
@@ -37,7 +36,6 @@ class DraftSlots:
 
     WARM_UP = 2  # timed steps of each (sequences, K) before its time is trusted
     PROBE_EVERY = 64  # decisions between tries of another K, so a change in load is seen
-    SMOOTHING = 0.3  # the weight of a new step's time in its running average
 
     def __init__(self, num_tokens: int, disable_by_batch_size: int | None, max_rows: int = MAX_TOKENS) -> None:
         self.num_tokens, self.disable_by_batch_size, self.max_rows = num_tokens, disable_by_batch_size, max_rows
@@ -69,8 +67,14 @@ class DraftSlots:
         """The time of a step of `decoding` sequences, all decoding, with room for k proposed tokens each."""
         key = (decoding, k)
         known = self.seconds.get(key)
-        self.seconds[key] = seconds if known is None else known + self.SMOOTHING * (seconds - known)
+        self.seconds[key] = seconds if known is None else known + SMOOTHING * (seconds - known)
         self.samples[key] = self.samples.get(key, 0) + 1
+
+
+def note_acceptance(seq: Sequence, kept: int) -> None:
+    """Updates the sequence's running average of kept proposals after a step kept `kept` of its proposals."""
+    tried = kept + (kept < len(seq.draft_token_ids))  # the proposals checked: those kept, and one rejected
+    seq.draft_acceptance += SMOOTHING * (kept / tried - seq.draft_acceptance)
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
