@@ -17,7 +17,15 @@ from slotserve.kernels import native
 from slotserve.layers.linear import Linear
 from slotserve.models.loader import load_model
 from slotserve.quantization import packed_linear
-from slotserve.quantization.packed_linear import AMX_MIN_ROWS, BLOCK, FEW_ROWS, PAIR, PANEL_ROWS, PackedWeight
+from slotserve.quantization.packed_linear import (
+    AMX_MIN_ROWS,
+    BLOCK,
+    FEW_ROWS,
+    PAIR,
+    PANEL_ROWS,
+    TILE_ROWS,
+    PackedWeight,
+)
 from tests.conftest import build_tiny_model
 from tests.test_packed_linear import (
     FEW_ROW_WEIGHTS,
@@ -203,3 +211,34 @@ def test_few_rows_take_x_of_any_range(no_amx, kind):
     exact = (tiny.double() @ w.double().T) * 2.0**110
     ours = PackedWeight.pack(w)(tiny).double() * 2.0**110
     assert (ours - exact).abs().max() <= 2**-16 * exact.abs().max()
+
+
+@pytest.mark.skipif(not packed_linear.digit_tiles_available(), reason="no AMX int8 tiles here")
+@pytest.mark.parametrize("kind", FEW_ROW_WEIGHTS)
+def test_tile_products_give_the_vector_units_bits(kind):
+    """Where AMX runs, few_rows.c takes calls of TILE_ROWS on its int8 tiles: the same integer sums and the same
+    float operations as on the vector units, so the same bits for any rows (padded tiles, passes of 32 rows), any
+    width (8, 5 or 4 bits a value, halves), a last partial pair of weight tiles, tiny and NaN inputs."""
+    n, k = 1000, 896
+    w = FEW_ROW_WEIGHTS[kind](n, k)
+    packed = PackedWeight.pack(w, torch.randn(n))
+    assert (packed.tile_rows, packed.min_rows) == (
+        (TILE_ROWS.start, TILE_ROWS.stop if not packed.halves else packed_linear.ALL_ROWS))
+    compact = PackedWeight.of(packed_linear.pack_narrow(w), packed.bias)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(70, k, generator=g)
+    x[3, :40] *= 2.0**-40
+    x[5, 100] = float("nan")
+    gemm = native.function(packed_linear.FEW_ROWS_SOURCE, "slotserve_few_rows_gemm", packed_linear._GEMM_ARGS)
+    for p in (packed, compact):
+        for rows in (*range(1, 18), 31, 32, 33, 70):
+            outs = []
+            for tile_rows in (0, 1):  # the vector units for every row count, then the tiles for every one
+                p.packing.tile_rows = tile_rows
+                out = torch.empty(rows, n)
+                assert gemm(x.data_ptr(), ctypes.byref(p.packing), p.bias.data_ptr(), out.data_ptr(), rows, n, k,
+                            2) == 0
+                outs.append(out)
+            p.packing.tile_rows = p.tile_rows
+            torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0, equal_nan=True, msg=f"{p.bits} bits {rows}")
+            assert rows <= 6 or (outs[1][5].isnan().all() and not outs[1][[4, 6]].isnan().any())

@@ -25,6 +25,7 @@ from slotserve.quantization.packed_linear import (
     PAIR,
     PANEL_ROWS,
     TILE,
+    TILE_ROWS,
     PackedTensor,
     PackedWeight,
 )
@@ -215,7 +216,8 @@ def test_integer_blocks_pack_in_a_byte_a_value_with_the_same_bits(weight, narrow
     packed, wide = PackedWeight.pack(weight), PackedWeight.pack(weight, narrow=False)
     assert packed.narrow == narrow and packed.values.element_size() == (1 if narrow else 2) and not wide.narrow
     x = torch.randn(PANEL_ROWS - 1, 128)
-    for rows in (AMX_MIN_ROWS, 45, x.shape[0]):  # one row tile (prefetching), a few, one per thread
+    # AMX's bfloat16 path for both: one row tile (prefetching), a few, one per thread
+    for rows in (max(AMX_MIN_ROWS, packed.min_rows), 45, x.shape[0]):
         assert torch.equal(packed(x[:rows]), wide(x[:rows]))
 
 
@@ -356,9 +358,9 @@ def test_a_row_gets_the_same_bits_in_any_batch(kind):
     # Enough row tiles that each thread splits its own (amx_gemm.c's TILES_PER_THREAD); the slices split first.
     x = torch.randn(PAIR * 4 * torch.get_num_threads() + 13, 128)
     whole = packed(x[:PANEL_ROWS - 1])  # from PANEL_ROWS on, a narrow packing's calls take panels
-    for rows in (FEW_ROWS + 1, 31, 32, 33):
+    for rows in (packed.min_rows, 31, 32, 33):  # fewer take few_rows.c's bits
         assert torch.equal(packed(x[:rows]), whole[:rows])
-    assert torch.equal(packed(x[40:46])[0], whole[40])
+    assert torch.equal(packed(x[40:40 + packed.min_rows])[0], whole[40])
     if not packed.narrow:
         for rows in (64, 70):
             assert torch.equal(packed(x[:rows]), packed(x)[:rows])
@@ -366,12 +368,12 @@ def test_a_row_gets_the_same_bits_in_any_batch(kind):
 
 @pytest.mark.parametrize("kind", WEIGHTS)
 def test_a_row_gets_the_same_bits_in_any_batch_of_few_rows(kind):
-    """Fewer rows take a narrow packing's few-row kernel (vector units, AMX or not): the same bits in any batch
-    of those."""
+    """Fewer rows take a narrow packing's few-row kernel (vector units, AMX's int8 tiles or not): the same bits in
+    any batch of those."""
     packed = PackedWeight.pack(WEIGHTS[kind](100, 128), torch.randn(100))
-    x = torch.randn(FEW_ROWS, 128)
+    x = torch.randn(min(packed.min_rows - 1, TILE_ROWS.stop - 1), 128)
     few = packed(x)
-    for rows in range(1, FEW_ROWS):
+    for rows in range(1, x.shape[0]):
         assert torch.equal(packed(x[:rows]), few[:rows])
     assert torch.equal(packed(x[3:4])[0], few[3]) and torch.equal(packed(x[1:3]), few[1:3])
 

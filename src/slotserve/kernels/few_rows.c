@@ -19,6 +19,11 @@
      to the output. Against float64, on the default model's shapes (Q5_0-, Q4_K- and Q6_K-like weights, 1 and
      4 rows): 0.24-0.78x a float32 GEMM's largest error, as with 2^30 and 16-bit products.
 
+   Where AMX runs, calls of the packing's tile_rows or more take the same integer sums on its int8 tiles
+   (tile_rows below: the four digit rows of each x row against a weight tile's k-quads, one TDPBSUD per block and
+   4 rows), where each row beyond the first costs a block a fraction of its vpdpbusd's: the rows a step verifies
+   for speculative decoding then cost far less than as many steps.
+
    A block with an infinite or NaN x gives NaN, as float32 arithmetic would; one whose largest |x| is under
    2^-98 keeps fewer bits (2^-q must stay a normal float). H and L are exact integers, the same in every
    build, and the rest the same float operations lane by lane, so every build (AVX-512, AVX2 with or without
@@ -218,6 +223,21 @@ static inline vi pair_sums(vi a, vi b) {
 }
 #endif
 
+/* group + one block's (or half block's) part of row x's sum: H and L from their sums with the weights kept plus
+   zero (less zero times the sums of hi, of lo), S = H * 2^15 + L, weighed by the block's scale (and offset) and
+   x's unit. Both ways of taking the products (the vector units', the tiles') end here: the same bits. */
+static inline __attribute__((always_inline)) vf add_block(vf group, vi h_plus, vi l_plus, const split_x *x, long b,
+                                                          int part, vf scale, vf offset, int offsets) {
+    const int32_t *bias_of = x->bias + 2 * (3 * b + part); /* zero * the sums of hi, lo */
+    const vi h = h_plus - bias_of[0], l = l_plus - bias_of[1];
+    const vf s = fmadd(__builtin_convertvector(h, vf), splat((float)(1 << HALF_BITS)), __builtin_convertvector(l, vf));
+    if (offsets) {
+        const vf r = fmadd(s, scale, offset * splat(x->sums[3 * b + part]));
+        return fmadd(r, splat(x->unit[b]), group);
+    }
+    return fmadd(s, scale * splat(x->unit[b]), group);
+}
+
 /* The rows of x (split: xs) against pair p of a narrow weight: its 2 * OUT_VECTORS output vectors, at_once of
    them a pass over the blocks (a pass reads their share of each cache line; the next finds the rest in L2).
    Inlined into each case of slotserve_few_rows_gemm's switch, so that its row and segment counts (and bits a
@@ -268,26 +288,17 @@ static inline __attribute__((always_inline)) void few_rows(const split_x *xs, co
                 for (int v = 0; v < at_once; v++) {
                     const int col = (v0 + v) / OUT_VECTORS * TILE + (v0 + v) % OUT_VECTORS * VW; /* in the pair */
                     const vf scale = weight_scales(w, p, blocks, b, segments, seg, col);
-                    for (int m = 0; m < rows; m++) {
-                        const int32_t *bias_of = xs[m].bias + 2 * (3 * b + part); /* zero * the sums of hi, lo */
+                    const vf offset = w->offsets ? weight_offsets(w, p, blocks, b, segments, seg, col) : splat(0.0f);
+                    for (int m = 0; m < rows; m++)
 #if BYTE_DIGITS
-                        const vi h = d[m][v][3] * 256 + d[m][v][2] - bias_of[0];
-                        const vi l = d[m][v][1] * 256 + d[m][v][0] - bias_of[1];
+                        group[m][v] = add_block(group[m][v], d[m][v][3] * 256 + d[m][v][2],
+                                                d[m][v][1] * 256 + d[m][v][0], xs + m, b, part, scale, offset,
+                                                w->offsets != NULL);
 #else
-                        const vi h = pair_sums(d[m][v][0], d[m][v][1]) - bias_of[0];
-                        const vi l = pair_sums(d[m][v][2], d[m][v][3]) - bias_of[1];
+                        group[m][v] = add_block(group[m][v], pair_sums(d[m][v][0], d[m][v][1]),
+                                                pair_sums(d[m][v][2], d[m][v][3]), xs + m, b, part, scale, offset,
+                                                w->offsets != NULL);
 #endif
-                        const vf s = fmadd(__builtin_convertvector(h, vf), splat((float)(1 << HALF_BITS)),
-                                           __builtin_convertvector(l, vf));
-                        if (w->offsets) {
-                            const vf sum_x = splat(xs[m].sums[3 * b + part]);
-                            const vf offset = weight_offsets(w, p, blocks, b, segments, seg, col);
-                            const vf r = fmadd(s, scale, offset * sum_x);
-                            group[m][v] = fmadd(r, splat(xs[m].unit[b]), group[m][v]);
-                        } else {
-                            group[m][v] = fmadd(s, scale * splat(xs[m].unit[b]), group[m][v]);
-                        }
-                    }
                 }
             }
             if (b % GROUP_BLOCKS == GROUP_BLOCKS - 1 || b == blocks - 1)
@@ -305,6 +316,141 @@ static inline __attribute__((always_inline)) void few_rows(const split_x *xs, co
         }
     }
 }
+
+#if VW == 16 && BYTE_DIGITS && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define TILE_PRODUCTS 1
+#define TILE_MOST 32 /* rows whose sums one pass of tile_rows keeps */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} digit_tiles;
+
+/* Tiles 0-1: 4 rows' digit sums (16 digit rows, int32) against weight tiles 4 and 5 (a segment's k-quads of the
+   pair's two tiles, `quads` lines each); 6: those digit rows over the segment. */
+static void configure_digit_tiles(int quads) {
+    digit_tiles c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 2; i++) c.colsb[i] = 64, c.rows[i] = TILE;
+    for (int i = 4; i < 6; i++) c.colsb[i] = 64, c.rows[i] = (uint8_t)quads;
+    c.colsb[6] = (uint16_t)(4 * quads), c.rows[6] = TILE;
+    __asm__ volatile("" : : "r"(&c) : "memory"); /* as amx_gemm.c's configure_tiles: the stores must stay */
+    _tile_loadconfig(&c);
+}
+
+/* A block (or half block) whose tile sums are stored and wait for add_block: its scales, offsets and place. */
+typedef struct {
+    long b;
+    int seg;
+    vf scale[2], offset[2];
+} stored_block;
+
+/* Rows m0 .. m0 + count - 1's stored sums of `block` ([weight tile][digit row][output]) into their group sums. */
+static inline void add_stored(const stored_block *block, int32_t (*sums)[TILE * TILE], const split_x *xs,
+                              vf (*group)[2], int m0, int count, int segments, int offsets) {
+    const int part = segments > 1 ? block->seg : 2;
+    for (int m = m0; m < m0 + count; m++)
+        for (int t = 0; t < 2; t++) {
+            vi d[4];
+            memcpy(d, sums[t] + 4 * (m - m0) * TILE, sizeof d);
+            group[m][t] = add_block(group[m][t], d[3] * 256 + d[2], d[1] * 256 + d[0], xs + m, block->b, part,
+                                    block->scale[t], block->offset[t], offsets);
+        }
+}
+
+/* The group sums into acc after every GROUP_BLOCKS blocks' last segment, as few_rows does. */
+static inline void add_groups(const stored_block *block, vf (*group)[2], vf (*acc)[2], int rows, long blocks,
+                              int segments) {
+    const long b = block->b;
+    if (block->seg == segments - 1 && (b % GROUP_BLOCKS == GROUP_BLOCKS - 1 || b == blocks - 1))
+        for (int m = 0; m < rows; m++)
+            for (int t = 0; t < 2; t++) {
+                acc[m][t] += group[m][t];
+                group[m][t] = splat(0.0f);
+            }
+}
+
+/* Block b of a pair of fewer bits a value (`chunk` at q) in the 8-bit layout, the tiles' k-quad lines. */
+static inline void widen_block(const uint8_t *q, int bits, uint8_t *wide) {
+    for (int t = 0; t < 2; t++)
+        for (int kq = 0; kq < BLOCK / 4; kq++) {
+            const vi u = quad_line(q, bits, t, kq, 0);
+            memcpy(wide + t * TILE * BLOCK + kq * 64, &u, sizeof u);
+        }
+}
+
+/* few_rows on AMX's int8 tiles: `rows` rows of x (split: xs, their digits [4 * rows][K] from `digits` on, padded
+   to whole tiles) against pair p. Per block (or half block) and 4 rows, one TDPBSUD a weight tile takes the 16
+   digit rows (signed) times the weights kept plus zero (unsigned, already in the tiles' k-quad layout): the same
+   exact sums as vpdpbusd's, and add_block the same float operations, so the bits of the vector units'.
+   The tile units and the vector units wait on each other's memory: a block of fewer bits is widened one block
+   ahead of the tile loads that read it, and a block's sums meet add_block after the next block's tile products
+   are under way (1.2-1.4x at 1-16 rows on the default model's gate/up). */
+static void tile_rows(const split_x *xs, const int8_t *digits, const slotserve_packed_weight *w, const float *bias,
+                      float *out, long N, long K, long p, int rows) {
+    const long blocks = K / BLOCK, chunk = chunk_bytes(w->bits);
+    const int segments = w->halves ? 2 : 1, quads = BLOCK / 4 / segments, offsets = w->offsets != NULL;
+    const int whole = rows / 4, groups = (rows + 3) / 4;
+    vf acc[TILE_MOST][2], group[TILE_MOST][2];
+    /* [4-row group][turn][weight tile][digit row][output]: a group's two turns 2 KB apart, so that reading one
+       while the other's tile stores are pending aliases none of them (addresses 4 KB apart look alike) */
+    int32_t sums[TILE_MOST / 4][2][2][TILE * TILE] __attribute__((aligned(64)));
+    uint8_t wide[2][2 * TILE * BLOCK] __attribute__((aligned(64))); /* by turns */
+    stored_block stored[2];
+    int turn = 0, waiting = 0;
+    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = group[m][0] = group[m][1] = splat(0.0f);
+    const uint8_t *values = (const uint8_t *)w->values + p * blocks * chunk;
+    if (w->bits != 8)
+        widen_block(values, w->bits, wide[0]);
+    for (long b = 0; b < blocks; b++) {
+        const uint8_t *q = values + b * chunk, *lines = w->bits == 8 ? q : wide[b % 2];
+        for (long i = 0; i < chunk; i += 64) __builtin_prefetch(q + FEW_AHEAD + i, 0, 2);
+        if (w->bits != 8 && b + 1 < blocks)
+            widen_block(q + chunk, w->bits, wide[(b + 1) % 2]);
+        for (int seg = 0; seg < segments; seg++) {
+            stored_block *now = &stored[turn];
+            now->b = b, now->seg = seg;
+            for (int t = 0; t < 2; t++) {
+                now->scale[t] = weight_scales(w, p, blocks, b, segments, seg, t * TILE);
+                now->offset[t] = offsets ? weight_offsets(w, p, blocks, b, segments, seg, t * TILE) : splat(0.0f);
+            }
+            _tile_loadd(4, lines + seg * quads * 64, 64);
+            _tile_loadd(5, lines + TILE * BLOCK + seg * quads * 64, 64);
+            for (int g = 0; g < groups; g++) {
+                _tile_loadd(6, digits + 16 * g * K + b * BLOCK + seg * quads * 4, K);
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_dpbsud(0, 6, 4);
+                _tile_dpbsud(1, 6, 5);
+                _tile_stored(0, sums[g][turn][0], 64);
+                _tile_stored(1, sums[g][turn][1], 64);
+                if (waiting) /* the previous block's sums of these rows, their stores long done */
+                    add_stored(&stored[turn ^ 1], sums[g][turn ^ 1], xs, group, 4 * g, g < whole ? 4 : rows % 4,
+                               segments, offsets);
+            }
+            if (waiting)
+                add_groups(&stored[turn ^ 1], group, acc, rows, blocks, segments);
+            waiting = 1, turn ^= 1;
+        }
+    }
+    for (int g = 0; g < groups; g++)
+        add_stored(&stored[turn ^ 1], sums[g][turn ^ 1], xs, group, 4 * g, g < whole ? 4 : rows % 4, segments,
+                   offsets);
+    add_groups(&stored[turn ^ 1], group, acc, rows, blocks, segments);
+    for (int t = 0; t < 2; t++) {
+        const long n0 = p * PAIR + t * TILE, n = N - n0 < VW ? N - n0 : VW;
+        for (int m = 0; m < rows && n > 0; m++)
+            for (long i = 0; i < n; i++) out[m * N + n0 + i] = acc[m][t][i] + (bias ? bias[n0 + i] : 0.0f);
+    }
+}
+#else
+#define TILE_PRODUCTS 0
+#endif
+
+/* Whether this build can take products on AMX's int8 tiles (packed_linear.h's tile_rows). */
+int slotserve_few_rows_tiles(void) { return TILE_PRODUCTS; }
 
 /* One thread's run of pairs, [lo, hi) as lo | hi << 32: its owner takes pairs from the front, the other
    threads (their own runs done) from the back. */
@@ -338,8 +484,9 @@ static long take_pair(pair_run *run, int back) {
    dynamic runs of a few pairs lose their prefetches to pairs the other thread takes; these runs leave the
    threads the least time waiting. A pair's bits are the same on any thread.
    More than FEW rows go through each pair FEW at a time, the pair's weights found in L2 after the first: the
-   bits of a row are the same in a call of any size. Returns 0; -1 without memory for the split rows; -2 for a
-   packing that is not narrow (the caller's other paths take those). */
+   bits of a row are the same in a call of any size. From w->tile_rows rows on (where set), each pair takes all
+   the rows' products on the tiles instead, TILE_MOST rows a pass. Returns 0; -1 without memory for the split
+   rows; -2 for a packing that is not narrow (the caller's other paths take those). */
 /* The switch's cases for `rows` rows: without halves, then with, each in 8, 6, 5 and 4 bits a value. */
 #define FEW_CASE(rows, segments, bits, at) \
     case at: few_rows(x0, w, bias, o0, N, K, p, rows, segments, bits); break;
@@ -355,11 +502,14 @@ int slotserve_few_rows_gemm(const float *x, const slotserve_packed_weight *w, co
     if (!w->narrow)
         return -2;
     const long pairs = (N + PAIR - 1) / PAIR, blocks = K / BLOCK;
+    const int tiles = TILE_PRODUCTS && w->tile_rows > 0 && M >= w->tile_rows;
+    const long padded = tiles ? (M + 3) / 4 * 4 : M; /* the tiles read 4 rows' digits at a time */
     /* each row's digits (4 bytes a value), then its biases, units and sums (10 words a block) */
-    int8_t *rows = malloc((size_t)(4 * M * K) + (size_t)(10 * M * blocks) * sizeof(float));
+    int8_t *rows = malloc((size_t)(4 * padded * K) + (size_t)(10 * M * blocks) * sizeof(float));
     if (!rows)
         return -1;
-    int32_t *biases = (int32_t *)(rows + 4 * M * K);
+    memset(rows + 4 * M * K, 0, (size_t)(4 * (padded - M) * K));
+    int32_t *biases = (int32_t *)(rows + 4 * padded * K);
     float *units = (float *)(biases + 6 * M * blocks), *sums = units + M * blocks;
     split_x *xs = malloc((size_t)M * sizeof *xs);
     if (!xs) {
@@ -387,6 +537,17 @@ int slotserve_few_rows_gemm(const float *x, const slotserve_packed_weight *w, co
 #pragma omp for schedule(static)
         for (long i = 0; i < M * blocks; i++) /* its barrier publishes the runs too */
             split_block(x + i / blocks * K, K, i % blocks, xs[i / blocks], w->zero, with_sums);
+#if TILE_PRODUCTS
+        if (tiles) {
+            configure_digit_tiles(w->halves ? BLOCK / 8 : BLOCK / 4);
+            for (int other = 0; other < team; other++)
+                for (long p; (p = take_pair(&runs[(me + other) % team], other > 0)) >= 0;)
+                    for (long m0 = 0; m0 < M; m0 += TILE_MOST)
+                        tile_rows(xs + m0, rows + 4 * m0 * K, w, bias, out + m0 * N, N, K, p,
+                                  M - m0 < TILE_MOST ? (int)(M - m0) : TILE_MOST);
+            _tile_release();
+        } else
+#endif
         for (int other = 0; other < team; other++) /* its own run first (other = 0), then the others' */
             for (long p; (p = take_pair(&runs[(me + other) % team], other > 0)) >= 0;)
                 for (long m0 = 0; m0 < M; m0 += FEW) {

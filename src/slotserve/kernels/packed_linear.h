@@ -44,6 +44,9 @@ typedef struct {
        code times the factor of its row and its group of SCALE_GROUP blocks: [pair][group][PAIR], float32. */
     const float *scale_factors, *offset_factors;
     int scale_code_bytes, offset_code_bytes;
+    /* From how many rows on few_rows.c takes a narrow packing's products on AMX's int8 tiles (the same bits as on
+       the vector units); 0: never (no AMX here, or the caller turned it off). */
+    long tile_rows;
 } slotserve_packed_weight;
 
 #define SCALE_GROUP 8 /* blocks under one factor: a GGUF K-quant's super-block of 256 */

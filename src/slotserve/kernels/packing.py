@@ -13,4 +13,4 @@ class Packing(ctypes.Structure):
                 ("narrow", ctypes.c_int), ("halves", ctypes.c_int), ("min_rows", ctypes.c_long),
                 ("max_rows", ctypes.c_long), ("bits", ctypes.c_int), ("zero", ctypes.c_int),
                 ("scale_factors", ctypes.c_void_p), ("offset_factors", ctypes.c_void_p),
-                ("scale_code_bytes", ctypes.c_int), ("offset_code_bytes", ctypes.c_int)]
+                ("scale_code_bytes", ctypes.c_int), ("offset_code_bytes", ctypes.c_int), ("tile_rows", ctypes.c_long)]
