@@ -15,10 +15,13 @@ from slotserve import SamplingParams
 from slotserve.config import EngineConfig, SpeculativeConfig, SpeculativeMethod
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.sequence import Sequence
-from slotserve.engine.speculative import DraftSlots, ngram_lookup
+from slotserve.engine.speculative import DraftSlots, cut_head, ngram_lookup
 from slotserve.layers.rejection_sampler import sample_and_verify
 from slotserve.layers.sampler import Sampled, Sampler, SamplingState, probabilities
+from slotserve.models.gguf import convert_gguf
+from slotserve.models.loader import load_model
 from tests.conftest import build_tiny_model
+from tests.gguf_fixtures import tiny_gguf
 from tests.helpers import run_to_completion
 
 BLOCK = 4
@@ -65,9 +68,10 @@ def _draft(path, k=3) -> dict:
     return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k}
 
 
-@pytest.mark.parametrize("spec", ["ngram", "self_draft", "other_draft"])
+@pytest.mark.parametrize("spec", ["ngram", "self_draft", "other_draft", "cut_vocabulary"])
 def test_greedy_output_is_the_plain_output_alone_and_batched(tiny_qwen3, other_draft, solo, spec):
-    config = {"ngram": NGRAM, "self_draft": _draft(tiny_qwen3), "other_draft": _draft(other_draft)}[spec]
+    config = {"ngram": NGRAM, "self_draft": _draft(tiny_qwen3), "other_draft": _draft(other_draft),
+              "cut_vocabulary": {**_draft(tiny_qwen3), "draft_vocab_size": 25_000}}[spec]
     engine = make_engine(tiny_qwen3, speculative_config=config)
     alone = {f"r{i}": run(engine, [p])["r0"] for i, p in enumerate(PROMPTS)}
     assert alone == solo
@@ -78,8 +82,36 @@ def test_greedy_output_is_the_plain_output_alone_and_batched(tiny_qwen3, other_d
         assert stats.accepted == stats.proposed
     elif spec == "ngram":  # random models repeat themselves now and then
         assert 0 < stats.accepted < stats.proposed
-    else:  # another random model is (nearly) always wrong: the rejections' path
+    else:  # another random model, or the target proposing only ids below 25000, is wrong often: rejections
         assert stats.accepted < stats.proposed
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_cut_draft_head_gives_the_first_rows_of_the_logits(tmp_path, packed):
+    """A draft's head cut to its first token ids (down to whole pairs of rows where packed) is a view of the whole
+    one's weight or packing: the same logits for those ids."""
+    if packed:
+        tg, _ = tiny_gguf("qwen3", tie=True)
+        convert_gguf(tg.write(tmp_path / "m.gguf"), tmp_path / "model")
+        path = tmp_path / "model"
+    else:
+        build_tiny_model(tmp_path, "qwen3", tie=True)
+        path = tmp_path
+    model, cfg = load_model(path, torch.float32, torch.device("cpu"))
+    whole = model.lm_head
+    assert (whole.weight is None) == packed
+    hidden = torch.randn(3, cfg.hidden_size)
+    expected = whole(hidden)
+    cut_head(model, 100 if packed else 1007)  # the tiny GGUF's vocabulary: 288 tokens
+    head, rows = model.lm_head, 96 if packed else 1007
+    assert head.out_features == rows and model.model.embed_tokens is not None
+    torch.testing.assert_close(head(hidden), expected[:, :rows], rtol=1e-5, atol=1e-5)
+    if packed:
+        assert head.packed.values.data_ptr() == whole.packed.values.data_ptr()
+    else:
+        assert head.weight.data_ptr() == whole.weight.data_ptr()
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        cut_head(model, 31 if packed else 0)
 
 
 @pytest.mark.parametrize("spec", ["ngram", "draft"])
@@ -186,19 +218,36 @@ def test_draft_slots_stay_within_the_rows_and_the_batch_size():
 def test_draft_slots_take_the_k_of_the_most_tokens_a_second():
     slots = DraftSlots(3, None)
     seqs = [Sequence("a", [1], GREEDY, None, 8), Sequence("b", [1], GREEDY, None, 8)]
-    seconds = (1.0, 1.3, 2.0, 2.5)  # rows that cost by the row, as exact products on a CPU's vector units
+    for seq in seqs:
+        seq.draft_kept, seq.draft_tried = 1.0, 1.0
+    seconds = (1.0, 1.3, 1.5, 2.5)  # rows that cost by the row, as exact products on a CPU's vector units
     tried = []
     for _ in range(8):
         tried.append(slots.choose(seqs, 2))
         slots.record(2, tried[-1], seconds[tried[-1]])
-    assert tried == [0, 0, 1, 1, 2, 2, 3, 3]  # each K timed twice first
-    for acceptance, best in ((0.9, 1), (0.2, 0), (1.0, 3)):
+    assert tried == [0, 0, 1, 1, 2, 2, 3, 3]  # each K timed twice first, while the one below leads
+    for acceptance, best in ((0.9, 2), (0.2, 0), (1.0, 2)):
         for seq in seqs:
-            seq.draft_acceptance = acceptance
+            seq.draft_kept, seq.draft_tried = acceptance, 1.0
         assert slots.choose(seqs, 2) == best
     # Every PROBE_EVERY decisions another K is tried again.
     picks = [slots.choose(seqs, 2) for _ in range(2 * DraftSlots.PROBE_EVERY)]
-    assert picks.count(3) == 2 * DraftSlots.PROBE_EVERY - 2 and len(set(picks)) == 3
+    assert picks.count(2) == 2 * DraftSlots.PROBE_EVERY - 1 and set(picks) == {1, 2}
+
+
+def test_draft_slots_try_a_k_only_while_the_one_below_could_lead_and_once_for_every_batch():
+    slots = DraftSlots(3, None)
+    seqs = [Sequence(str(i), [1], GREEDY, None, 8) for i in range(3)]
+    seconds = {1: (1.0, 2.2, 3.3, 4.4), 3: (1.2, 2.6, 3.9, 5.2)}  # K = 1 loses with every proposal kept: no K = 2
+    tried = []
+    for n in (1, 3):
+        for _ in range(6):
+            tried.append((n, slots.choose(seqs[:n], n)))
+            slots.record(n, tried[-1][1], seconds[n][tried[-1][1]])
+    # three sequences time their plain steps, then take K = 1's time from one sequence's, scaled
+    assert tried == [(1, 0), (1, 0), (1, 1), (1, 1), (1, 0), (1, 0), (3, 0), (3, 0), (3, 0), (3, 0), (3, 0),
+                     (3, 0)]
+    assert slots.estimate(3, 1) == pytest.approx(2.2 * 1.2) and slots.estimate(3, 2) is None
 
 
 def test_speculative_config_errors_name_the_field():
@@ -210,6 +259,7 @@ def test_speculative_config_errors_name_the_field():
                        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 6}, "prompt_lookup_min"),
                        ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
                        ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown field 'k'"),
+                       ({"model": "m", "num_speculative_tokens": 2, "draft_vocab_size": 0}, "draft_vocab_size"),
                        ("{not json", "not JSON")):
         with pytest.raises(ValueError, match=field):
             EngineConfig(speculative_config=bad)

@@ -267,6 +267,10 @@ class SpeculativeConfig:
     # No proposals while this many sequences or more run (a large batch is bound by compute, not by reading the
     # weights). None: where the verify rows of a step would pass 64, the native decode step's rows.
     disable_by_batch_size: int | None = None
+    # draft_model: the draft proposes only the first this many token ids (its output head cut to them; None: all).
+    # A byte-level BPE vocabulary's ids run roughly from the most merged pieces to the rarest, and a draft's head
+    # is a large part of what it reads a step (Qwen2.5-0.5B's: a quarter): proposals stay exact, as verified.
+    draft_vocab_size: int | None = None
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -305,8 +309,9 @@ class SpeculativeConfig:
         positive("num_speculative_tokens", self.num_speculative_tokens)
         positive("prompt_lookup_max", self.prompt_lookup_max)
         positive("prompt_lookup_min", self.prompt_lookup_min)
-        if self.disable_by_batch_size is not None:
-            positive("disable_by_batch_size", self.disable_by_batch_size)
+        for name in ("disable_by_batch_size", "draft_vocab_size"):
+            if getattr(self, name) is not None:
+                positive(name, getattr(self, name))
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min: {self.prompt_lookup_min} is above "
                              f"prompt_lookup_max {self.prompt_lookup_max}")

@@ -27,7 +27,6 @@ from slotserve.engine.speculative import (
     NgramProposer,
     check_speculation,
     load_draft,
-    note_acceptance,
 )
 from slotserve.engine.worker import Rank, Worker
 from slotserve.engine.worker_process import ReportKind
@@ -264,7 +263,8 @@ class EngineCore:
                 outputs.append(self._pool(seq, result.hidden[-1]))
         end = time.perf_counter()
         decoding, k = self.scheduler.slots
-        if self._draft_slots is not None and decoding == len(plan.scheduled) and decoding:  # a decode step: timed
+        if (self._draft_slots is not None and decoding == len(plan.scheduled) and decoding
+                and (not k or self.proposer.steady)):  # a decode step whose time is its K's: timed
             self._draft_slots.record(decoding, k, end - began)
         self.step_log.add(StepRecord(time.time(), end - began, scheduled - began, ran - scheduled, end - ran,
                                      len(seqs), sum(len(s.token_ids) for s in seqs)))
@@ -281,6 +281,8 @@ class EngineCore:
         for (i, seq, k), drafts in zip(room, proposals, strict=True):
             seq.draft_token_ids = drafts[:k]
             scheduled[i] = (seq, 1 + len(seq.draft_token_ids))
+            if not drafts:
+                self._draft_slots.note(seq, 0)
 
     def _verified(self, seq: Sequence, kept: int, stop: Stop | None) -> None:
         """After a step verified the sequence's proposed tokens, of which it kept `kept`: their keys stay (those of
@@ -288,7 +290,7 @@ class EngineCore:
         self.speculation.proposed += len(seq.draft_token_ids)
         self.speculation.accepted += kept
         self.speculation.verified += 1
-        note_acceptance(seq, kept)
+        self._draft_slots.note(seq, kept)
         seq.draft_token_ids = []
         if stop is None:
             seq.num_computed_tokens += kept

@@ -41,10 +41,11 @@ class Sequence:
     pooling: PoolingParams | None = None
     images: RequestImages | None = None
     # Speculative decoding: the tokens proposed for this step, how many of its tokens the draft model's cache
-    # holds, and the running average of how often a proposal it was verified for was kept (engine/speculative.py).
+    # holds, and running sums of its proposals kept and tried (engine/speculative.py's DraftSlots.note).
     draft_token_ids: list[int] = field(default_factory=list)
     num_draft_computed: int = 0
-    draft_acceptance: float = 0.5
+    draft_kept: float = 0.0
+    draft_tried: float = 0.0
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """(prompt + output tokens)[start:end], without building the whole list: a decode step reads one token

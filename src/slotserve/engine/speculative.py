@@ -19,10 +19,15 @@ import torch
 from slotserve.config import EngineConfig, ModelConfig, SpeculativeConfig, SpeculativeMethod
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, Want
 from slotserve.engine.sequence import Sequence
+from slotserve.layers.linear import Linear
 from slotserve.model_store import resolve_model
 from slotserve.models.fused_decode import MAX_TOKENS
 from slotserve.models.loader import load_model
+from slotserve.quantization.packed_linear import PAIR, PackedWeight
 
+# A draft's catch-up of at most this many tokens (those a step kept, and its own) runs as decode rows: on the
+# 0.5B, 5 tokens take 26 ms as rows, not as a prefill chunk.
+CATCH_UP_ROWS = 8
 SMOOTHING = 0.3  # the weight of a new step in a running average (a step's time, a sequence's kept proposals)
 
 
@@ -32,7 +37,11 @@ class DraftSlots:
     expected tokens each sequence keeps at its own acceptance so far. Proposals pay only where verifying K more
     rows costs less than the tokens they give: a step that reads the weights once for several rows does, one
     whose rows are bound by arithmetic (a large batch, or a CPU whose exact products cost by the row) does not,
-    and then this keeps K at 0."""
+    and then this keeps K at 0.
+    Trying a K costs its steps, so a K is timed only while the K below it would lead if every proposal were kept,
+    and once per K: another count
+    of sequences takes its time at the nearest count measured, scaled by the two counts' plain steps (as
+    sequences finish, each count would otherwise try every K again)."""
 
     WARM_UP = 2  # timed steps of each (sequences, K) before its time is trusted
     PROBE_EVERY = 64  # decisions between tries of another K, so a change in load is seen
@@ -42,6 +51,9 @@ class DraftSlots:
         self.seconds: dict[tuple[int, int], float] = {}  # (decoding sequences, K) -> a step's time
         self.samples: dict[tuple[int, int], int] = {}
         self.decisions: dict[int, int] = {}
+        # Running sums of every sequence's proposals kept and tried: a new sequence's acceptance until it has its
+        # own. They start as if all were kept, so that proposals are tried before they are judged.
+        self.kept = self.tried = 1.0
 
     def most(self, decoding: int, running: int) -> int:
         """The largest K allowed: all verify rows within `max_rows` (where the native decode step runs them), none
@@ -54,14 +66,34 @@ class DraftSlots:
         n, most = len(decoding), self.most(len(decoding), running)
         if most == 0:
             return 0
-        for k in range(most + 1):  # each K timed a few times first
-            if self.samples.get((n, k), 0) < self.WARM_UP:
-                return k
+        rates: dict[int, float] = {}  # K -> expected tokens a second
+        best: dict[int, float] = {}  # K -> tokens a second if every proposal were kept
+        for k in range(most + 1):
+            seconds = self.estimate(n, k)
+            if seconds is None:
+                if k == 0 or max(best, key=best.__getitem__) == k - 1:
+                    return k
+                break
+            rates[k] = sum(expected_tokens(self.acceptance(s), k) for s in decoding) / seconds
+            best[k] = n * (k + 1) / seconds
         made = self.decisions[n] = self.decisions.get(n, 0) + 1
         if made % self.PROBE_EVERY == 0:
             return made // self.PROBE_EVERY % (most + 1)
-        return max(range(most + 1), key=lambda k: sum(expected_tokens(s.draft_acceptance, k) for s in decoding)
-                   / self.seconds[(n, k)])
+        return max(rates, key=rates.__getitem__)
+
+    def estimate(self, n: int, k: int) -> float | None:
+        """A step's time for n decoding sequences with k slots each: measured, else from the nearest count of
+        sequences measured with k; None where neither is."""
+        def measured(m: int, j: int) -> float | None:
+            return self.seconds[(m, j)] if self.samples.get((m, j), 0) >= self.WARM_UP else None
+
+        if (own := measured(n, k)) is not None or k == 0 or (plain := measured(n, 0)) is None:
+            return own
+        others = [m for m, j in self.seconds if j == k and measured(m, k) is not None and measured(m, 0)]
+        if not others:
+            return None
+        m = min(others, key=lambda m: abs(m - n))
+        return self.seconds[(m, k)] * plain / self.seconds[(m, 0)]
 
     def record(self, decoding: int, k: int, seconds: float) -> None:
         """The time of a step of `decoding` sequences, all decoding, with room for k proposed tokens each."""
@@ -70,11 +102,20 @@ class DraftSlots:
         self.seconds[key] = seconds if known is None else known + SMOOTHING * (seconds - known)
         self.samples[key] = self.samples.get(key, 0) + 1
 
+    def note(self, seq: Sequence, kept: int) -> None:
+        """After a step kept `kept` of the sequence's proposals: the proposals checked are those kept and the one
+        rejected, and a sequence given room but no proposal (no n-gram matched) counts as one proposal rejected,
+        so that room is weighed by what it yields."""
+        proposed = len(seq.draft_token_ids)
+        tried = kept + (kept < proposed) if proposed else 1
+        seq.draft_kept += SMOOTHING * (kept - seq.draft_kept)
+        seq.draft_tried += SMOOTHING * (tried - seq.draft_tried)
+        self.kept += SMOOTHING * (kept - self.kept)
+        self.tried += SMOOTHING * (tried - self.tried)
 
-def note_acceptance(seq: Sequence, kept: int) -> None:
-    """Updates the sequence's running average of kept proposals after a step kept `kept` of its proposals."""
-    tried = kept + (kept < len(seq.draft_token_ids))  # the proposals checked: those kept, and one rejected
-    seq.draft_acceptance += SMOOTHING * (kept / tried - seq.draft_acceptance)
+    def acceptance(self, seq: Sequence) -> float:
+        """How often a proposal of this sequence is kept: its own running sums', else every sequence's."""
+        return seq.draft_kept / seq.draft_tried if seq.draft_tried else self.kept / self.tried
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -84,6 +125,8 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 class NgramProposer:
+    steady = True  # every proposal costs what the next one does (DraftProposer's may not)
+
     def __init__(self, spec: SpeculativeConfig) -> None:
         self.min_n, self.max_n = spec.prompt_lookup_min, spec.prompt_lookup_max
 
@@ -114,10 +157,14 @@ class DraftProposer:
 
     def __init__(self, runner: ModelRunner, chunk: int) -> None:
         self.runner, self.chunk = runner, chunk
+        # Whether the last proposal computed only what a verify step leaves (not a prompt, nor the tokens of
+        # steps decoded without proposals): a step's time says what its K costs only then.
+        self.steady = True
 
     def propose(self, seqs: list[Sequence], slots: list[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in seqs]
         todo = list(range(len(seqs)))
+        self.steady = all(seq.num_tokens - seq.num_draft_computed <= CATCH_UP_ROWS for seq in seqs)
         while todo:  # catch up, in steps of at most `chunk` tokens
             batch, later, room = [], [], self.chunk
             for i in todo:
@@ -128,8 +175,10 @@ class DraftProposer:
                     later.append(i)
                     continue
                 done = start + take == end
+                # the few tokens a verify step kept go as decode rows of their own (the fused step), not as a chunk
+                rows = take - 1 if done and take <= CATCH_UP_ROWS else 0
                 batch.append((i, ScheduledSeq(seq.token_ids(start, start + take), start, seq.block_table,
-                                              want=Want.GREEDY if done else Want.NONE)))
+                                              want=Want.GREEDY if done else Want.NONE, num_draft=rows)))
                 seq.num_draft_computed += take
                 room -= take
                 if not done:
@@ -146,7 +195,7 @@ class DraftProposer:
     def _run(self, batch: list[tuple[int, ScheduledSeq]], drafts: list[list[int]]) -> None:
         for (i, sched), result in zip(batch, self.runner.execute([s for _, s in batch]), strict=True):
             if sched.want is Want.GREEDY:
-                drafts[i].append(result.tokens[0])
+                drafts[i].append(result.tokens[-1])
 
 
 def load_draft(config: EngineConfig, target: ModelConfig, dtype: torch.dtype,
@@ -159,7 +208,30 @@ def load_draft(config: EngineConfig, target: ModelConfig, dtype: torch.dtype,
                          f"{cfg.vocab_size} tokens, the target model {target.vocab_size}: they must share a tokenizer")
     if cfg.vision is not None:
         raise ValueError("speculative_config.model: a vision-language model cannot draft")
+    if config.speculative_config.draft_vocab_size is not None:
+        cut_head(model, config.speculative_config.draft_vocab_size)
     return model, cfg
+
+
+def cut_head(model: torch.nn.Module, vocab: int) -> None:
+    """The model's output head cut to its first `vocab` token ids (down to whole pairs of rows where it is
+    packed): a view of its weight or packing, the input embedding kept whole."""
+    head = model.lm_head
+    packed = head.weight is None
+    rows = min(vocab - vocab % PAIR if packed else vocab, head.out_features)
+    if rows == head.out_features:
+        return
+    if rows < 1:
+        raise ValueError(f"speculative_config.draft_vocab_size: {vocab} leaves the draft no whole pair of "
+                         f"{PAIR} head rows")
+    cut = Linear(head.in_features, rows, bias=False, device="meta")
+    if packed:
+        cut.hold_packed(PackedWeight.of(head.packed.tensor().pairs(0, rows)))
+    else:
+        cut.weight = torch.nn.Parameter(head.weight[:rows], requires_grad=False)
+    if head.bias is not None:
+        cut.bias = torch.nn.Parameter(head.bias[:rows], requires_grad=False)
+    model.lm_head = cut
 
 
 def check_speculation(config: EngineConfig, target: ModelConfig) -> None:
