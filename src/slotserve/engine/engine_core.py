@@ -100,7 +100,8 @@ class EngineCore:
         self.speculation = SpeculationStats()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self._draft_slots = None if spec is None else DraftSlots(spec.num_speculative_tokens,
-                                                                 spec.disable_by_batch_size)
+                                                                 spec.disable_by_batch_size,
+                                                                 current=self.proposer.current)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.eos_token_ids,
                                    self.max_model_len, self._draft_slots)
         self.requests: dict[str, Sequence] = {}

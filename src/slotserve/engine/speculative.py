@@ -12,6 +12,7 @@ bound by reading the weights; it reads them once for every token it keeps.
 from __future__ import annotations
 
 import array
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,8 +47,12 @@ class DraftSlots:
     WARM_UP = 2  # timed steps of each (sequences, K) before its time is trusted
     PROBE_EVERY = 64  # decisions between tries of another K, so a change in load is seen
 
-    def __init__(self, num_tokens: int, disable_by_batch_size: int | None, max_rows: int = MAX_TOKENS) -> None:
+    def __init__(self, num_tokens: int, disable_by_batch_size: int | None, max_rows: int = MAX_TOKENS,
+                 current: Callable[[list[Sequence]], bool] = lambda seqs: True) -> None:
         self.num_tokens, self.disable_by_batch_size, self.max_rows = num_tokens, disable_by_batch_size, max_rows
+        # Whether proposing for these sequences now costs no more than it will next time (the proposer's
+        # `current`): a probe is tried only then, not where a draft model would first catch up on its steps.
+        self.current = current
         self.seconds: dict[tuple[int, int], float] = {}  # (decoding sequences, K) -> a step's time
         self.samples: dict[tuple[int, int], int] = {}
         self.decisions: dict[int, int] = {}
@@ -77,7 +82,7 @@ class DraftSlots:
             rates[k] = sum(expected_tokens(self.acceptance(s), k) for s in decoding) / seconds
             best[k] = n * (k + 1) / seconds
         made = self.decisions[n] = self.decisions.get(n, 0) + 1
-        if made % self.PROBE_EVERY == 0:
+        if made % self.PROBE_EVERY == 0 and self.current(decoding):
             return made // self.PROBE_EVERY % (most + 1)
         return max(rates, key=rates.__getitem__)
 
@@ -127,6 +132,10 @@ def expected_tokens(acceptance: float, k: int) -> float:
 class NgramProposer:
     steady = True  # every proposal costs what the next one does (DraftProposer's may not)
 
+    @staticmethod
+    def current(seqs: list[Sequence]) -> bool:
+        return True
+
     def __init__(self, spec: SpeculativeConfig) -> None:
         self.min_n, self.max_n = spec.prompt_lookup_min, spec.prompt_lookup_max
 
@@ -164,7 +173,7 @@ class DraftProposer:
     def propose(self, seqs: list[Sequence], slots: list[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in seqs]
         todo = list(range(len(seqs)))
-        self.steady = all(seq.num_tokens - seq.num_draft_computed <= CATCH_UP_ROWS for seq in seqs)
+        self.steady = self.current(seqs)
         while todo:  # catch up, in steps of at most `chunk` tokens
             batch, later, room = [], [], self.chunk
             for i in todo:
@@ -191,6 +200,11 @@ class DraftProposer:
             for i, seq in enumerate(seqs):
                 seq.num_draft_computed += slots[i] > j
         return drafts
+
+    @staticmethod
+    def current(seqs: list[Sequence]) -> bool:
+        """Whether the draft's cache is behind these sequences by no more than a verify step leaves."""
+        return all(seq.num_tokens - seq.num_draft_computed <= CATCH_UP_ROWS for seq in seqs)
 
     def _run(self, batch: list[tuple[int, ScheduledSeq]], drafts: list[list[int]]) -> None:
         for (i, sched), result in zip(batch, self.runner.execute([s for _, s in batch]), strict=True):
