@@ -16,8 +16,8 @@ from slotserve.config import EngineConfig, SpeculativeConfig, SpeculativeMethod
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.sequence import Sequence
 from slotserve.engine.speculative import DraftSlots, cut_head, ngram_lookup
-from slotserve.layers.rejection_sampler import sample_and_verify
-from slotserve.layers.sampler import Sampled, Sampler, SamplingState, probabilities
+from slotserve.layers.sampler import Sampled, Sampler, SamplingState
+from slotserve.layers.verification import sample_and_verify
 from slotserve.models.gguf import convert_gguf
 from slotserve.models.loader import load_model
 from tests.conftest import build_tiny_model
@@ -150,11 +150,25 @@ def test_stop_tokens_and_penalties_end_as_without_proposals(tiny_qwen3, solo):
         assert run(engine, PROMPTS, params) == run(plain, PROMPTS, params)
 
 
-def test_seeded_sampling_with_proposals_is_reproducible(tiny_qwen3):
+def test_seeded_sampling_gives_the_tokens_it_gives_without_proposals(tiny_qwen3, other_draft):
+    """Each token takes one draw of the request's generator whatever was proposed: a seeded request's tokens do
+    not depend on the proposals, their number, or the K each engine chooses."""
     params = SamplingParams(temperature=0.8, top_k=20, max_tokens=16, seed=3, ignore_eos=True)
-    first = run(make_engine(tiny_qwen3, speculative_config=_draft(tiny_qwen3)), PROMPTS[:6], params)
-    again = run(make_engine(tiny_qwen3, speculative_config=_draft(tiny_qwen3)), PROMPTS[:6], params)
-    assert first == again
+    plain = run(make_engine(tiny_qwen3), PROMPTS[:6], params)
+    for config in (_draft(tiny_qwen3, k=2), _draft(other_draft, k=5), NGRAM):
+        assert run(make_engine(tiny_qwen3, speculative_config=config), PROMPTS[:6], params) == plain
+
+
+def _target(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a row is sampled from, computed directly: temperature, min_p, top_k, then top_p."""
+    probs = (logits / params.temperature).softmax(dim=-1)
+    probs[probs < params.min_p * probs.max()] = 0.0
+    ranked, order = (probs / probs.sum()).sort(descending=True)
+    if params.top_k:
+        ranked[params.top_k:] = 0.0
+        ranked /= ranked.sum()
+    ranked[(ranked.cumsum(dim=-1) - ranked) >= params.top_p] = 0.0
+    return torch.zeros_like(probs).scatter_(0, order, ranked / ranked.sum())
 
 
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -172,10 +186,7 @@ def test_rejection_sampling_keeps_the_target_distribution(params):
     vocab, trials = 8, 6000
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -0.5, 1.5, -1.0, 0.2], [0.3, -0.2, 1.1, 0.9, 0.0, -1.0, 0.6, 0.1]])
     sampler = Sampler()
-    targets = []
-    for r in range(2):
-        state = SamplingState.new(params, [1], [], vocab)
-        targets.append(probabilities(logits[r:r + 1], [state])[0])
+    targets = [_target(logits[r], params) for r in range(2)]
     for proposed in (0, 6):
         first, second = torch.zeros(vocab), torch.zeros(vocab)
         for t in range(trials):

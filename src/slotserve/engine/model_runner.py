@@ -25,8 +25,8 @@ from slotserve.layers.attention import (
     kv_head_shard,
     paged_decode_available,
 )
-from slotserve.layers.rejection_sampler import Append, sample_and_verify
 from slotserve.layers.sampler import Sampler, SamplingState, greedy
+from slotserve.layers.verification import Append, sample_and_verify
 from slotserve.models.fused_decode import MAX_TOKENS, FusedDecode
 from slotserve.models.packing import pack_linears
 from slotserve.multimodal.inputs import SeqVision, VisualRows
@@ -233,7 +233,7 @@ class ModelRunner:
     def sample(self, results: list[SeqResult], states: list[SamplingState | None], drafts: list[list[int]],
                append: Append) -> None:
         """Gives each sequence that has a state its tokens of this step through `append` (None: it samples nothing
-        this step): the proposed tokens it keeps, then one of its own (layers/rejection_sampler.py), from the
+        this step): the proposed tokens it keeps, then one of its own (layers/verification.py), from the
         argmax the step took where it wanted one, else from its rows of logits by its sampling state."""
         rows = [r.logits if s is not None and r.tokens is None else None for r, s in zip(results, states, strict=True)]
         picks = [r.tokens if s is not None else None for r, s in zip(results, states, strict=True)]

@@ -1,5 +1,5 @@
 """Speculative decoding's proposals: tokens guessed for a decoding sequence, which the target model's next step
-verifies all at once (layers/rejection_sampler.py keeps those it would have sampled). A CPU's decode step is
+verifies all at once (layers/verification.py keeps those it would have sampled). A CPU's decode step is
 bound by reading the weights; it reads them once for every token it keeps.
 
 - `NgramProposer` (prompt lookup): the tokens that followed the latest earlier occurrence of the sequence's last

@@ -265,21 +265,6 @@ def _sample(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     return token_ids
 
 
-def probabilities(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-    """The distribution [B, V] that random sampling draws each row from (processed logits in): after temperature,
-    min_p, top_k and top_p, as `_sample` applies them."""
-    params = [s.params for s in states]
-    x = _scaled(logits, params)
-    probs = x.softmax(dim=-1)
-    truncated = _truncated(params, x.shape[-1])
-    if truncated:
-        idx = torch.tensor(truncated, device=logits.device)
-        kept, ids = _nucleus(x.index_select(0, idx), [params[i] for i in truncated])
-        dense = torch.zeros_like(probs[: len(truncated)]).scatter_(1, ids, kept)
-        probs[idx] = dense / dense.sum(dim=-1, keepdim=True)
-    return probs
-
-
 def draw_uniform(states: list[SamplingState], device: torch.device) -> torch.Tensor:
     """One uniform number per row from the row's own generator."""
     return torch.tensor([torch.rand((), generator=s.generator).item() for s in states], device=device)
