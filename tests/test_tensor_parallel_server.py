@@ -104,7 +104,10 @@ def test_sigkill_of_the_engine_leaves_no_worker(tiny_qwen3):
         srv.stop()
 
 
-UBATCHES = ("-tp", "2", "--ubatches", "2", "--ubatch-decode-threshold", "2", "--ubatch-prefill-threshold", "2")
+# Split every step that qualifies: the adaptive gate could choose by measured times not to, and then no
+# micro-batch would run (or raise).
+UBATCHES = ("-tp", "2", "--ubatches", "2", "--ubatch-decode-threshold", "2", "--ubatch-prefill-threshold", "2",
+            "--no-ubatch-adaptive")
 
 
 def test_a_server_with_micro_batches_answers_as_the_single_process_engine(tiny_qwen3):

@@ -69,9 +69,8 @@ def run_spec(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("speculative_config: bench spec compares decoding with it and without; pass "
                          "--speculative-config")
     params = SamplingParams(temperature=0, max_tokens=args.output_len)
-    sets = {"code_edit": [_chat(engine, f"```python\n{_CODE}```\n\n{ask}") for ask in CODE_EDITS],
-            "chat": [_chat(engine, ask) for ask in CHAT]}
-    _decode(engine, sets["chat"][:1], params, 1)  # warm-up: threads, caches and kernels
+    sets = {name: [ids for _, ids in prompts] for name, prompts in prompt_sets(engine).items()}
+    decode_run(engine, sets["chat"][:1], params, 1)  # warm-up: threads, caches and kernels
     result: dict[str, Any] = {"bench": "spec", "model": engine.config.model,
                               "speculative_config": _config(engine), "output_len": args.output_len}
     for name, prompts in sets.items():
@@ -83,7 +82,7 @@ def run_spec(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
             before = engine.stats().speculation
             for on in (False, True, True, False):  # the machine's drift weighs on both alike
                 engine.core.speculate(on)
-                runs[on].append(_decode(engine, prompts if clients == 1 else batch, params, clients))
+                runs[on].append(decode_run(engine, prompts if clients == 1 else batch, params, clients))
             after = engine.stats().speculation
             for on in (False, True):
                 rate = sum(r.decoded for r in runs[on]) / sum(r.seconds for r in runs[on])
@@ -99,9 +98,14 @@ def run_spec(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _chat(engine: LLMEngine, text: str) -> list[int]:
-    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
-    return engine.tokenizer.encode(prompt, add_special_tokens=False)
+def prompt_sets(engine: LLMEngine) -> dict[str, list[tuple[str, list[int]]]]:
+    """Each prompt set's prompts as chat-templated text and its token ids."""
+    asks = {"code_edit": [f"```python\n{_CODE}```\n\n{ask}" for ask in CODE_EDITS], "chat": CHAT}
+    sets = {}
+    for name, texts in asks.items():
+        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+        sets[name] = [(p, engine.tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
+    return sets
 
 
 def _config(engine: LLMEngine) -> dict[str, Any]:
@@ -109,7 +113,7 @@ def _config(engine: LLMEngine) -> dict[str, Any]:
     return {"method": spec.method.value, "num_speculative_tokens": spec.num_speculative_tokens, "model": spec.model}
 
 
-def _decode(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, clients: int) -> Run:
+def decode_run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, clients: int) -> Run:
     """The prompts, `clients` at a time (each round waits for its slowest); decode time counts from each round's
     last first token, so prefill is left out of the figure."""
     tokens: dict[str, list[int]] = {}

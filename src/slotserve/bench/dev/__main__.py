@@ -1,4 +1,4 @@
-"""`python -m slotserve.bench.dev {kernels,attention,threads,peer} [args]`: the developer benchmarks."""
+"""`python -m slotserve.bench.dev {kernels,attention,threads,peer,peer-spec} [args]`: the developer benchmarks."""
 
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ def cmd_dev_bench(args: argparse.Namespace) -> int:
         from slotserve.bench.dev.peer import run_peer
 
         result = run_peer(make_llm(args).engine, args)
+    elif args.bench == "peer-spec":
+        from slotserve.bench.dev.peer_spec import run_peer_spec
+
+        result = run_peer_spec(make_llm(args).engine, args)
     elif args.bench == "threads":
         from slotserve.bench.dev.threads import run_threads
 
@@ -58,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--input-len", type=int, default=512)
     b.add_argument("--output-len", type=int, default=64)
     b.add_argument("--rounds", type=int, default=5)
+    add_engine_args(b)
+    b = bench.add_parser("peer-spec", help="batch-1 speculative decode beside llama-lookup / llama-speculative")
+    b.add_argument("--llama-bin", required=True, help="the directory of llama.cpp's built binaries")
+    b.add_argument("--num-prompts", type=int, default=4, help="of each set (code edits, free chat)")
+    b.add_argument("--output-len", type=int, default=128)
     add_engine_args(b)
     b = bench.add_parser("threads", help="parfor pool: dispatch cost vs ThreadPoolExecutor, matmul on 1..N threads")
     threads_args(b)
