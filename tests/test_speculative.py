@@ -255,10 +255,10 @@ def test_draft_slots_try_a_k_only_while_the_one_below_could_lead_and_once_for_ev
         for _ in range(6):
             tried.append((n, slots.choose(seqs[:n], n)))
             slots.record(n, tried[-1][1], seconds[n][tried[-1][1]])
-    # three sequences time their plain steps, then take K = 1's time from one sequence's, scaled
+    # three sequences time their plain steps, then take K = 1's time from one sequence's: what it added, thrice
     assert tried == [(1, 0), (1, 0), (1, 1), (1, 1), (1, 0), (1, 0), (3, 0), (3, 0), (3, 0), (3, 0), (3, 0),
                      (3, 0)]
-    assert slots.estimate(3, 1) == pytest.approx(2.2 * 1.2) and slots.estimate(3, 2) is None
+    assert slots.estimate(3, 1) == pytest.approx(1.2 + (2.2 - 1.0) * 3) and slots.estimate(3, 2) is None
 
 
 def test_speculative_config_errors_name_the_field():
