@@ -40,9 +40,9 @@ class DraftSlots:
     whose rows are bound by arithmetic (a large batch, or a CPU whose exact products cost by the row) does not,
     and then this keeps K at 0.
     Trying a K costs its steps, so a K is timed only while the K below it would lead if every proposal were kept,
-    and once per K: another count
-    of sequences takes its time at the nearest count measured, as its own plain step plus what K added there for
-    each sequence (as sequences finish, each count would otherwise try every K again)."""
+    and once per K: another count of sequences takes its time at the nearest count measured, as its own plain
+    step plus what K added there for each sequence (as sequences finish, each count would otherwise try every K
+    again)."""
 
     WARM_UP = 2  # timed steps of each (sequences, K) before its time is trusted
     PROBE_EVERY = 64  # decisions between tries of another K, so a change in load is seen
