@@ -51,19 +51,23 @@ class LlamaBench:
 
     def round(self, input_len: int, output_len: int, threads: int) -> tuple[float, float]:
         """(prefill, decode) tokens/s of one run (`-r 1`)."""
-        command = [self.binary, "-m", self.gguf, "-p", str(input_len), "-n", str(output_len), "-r", "1",
+        rate = self.rates(input_len, output_len, threads, 1)
+        return rate["prefill"], rate["decode"]
+
+    def rates(self, input_len: int, output_len: int, threads: int, repeats: int) -> dict[str, float]:
+        """Tokens/s by phase ("prefill" where input_len, "decode" where output_len), averaged over `repeats`."""
+        command = [self.binary, "-m", self.gguf, "-p", str(input_len), "-n", str(output_len), "-r", str(repeats),
                    "-t", str(threads), "-o", "json", *self.extra]
         done = subprocess.run(command, capture_output=True, text=True)
         # -SIGILL: the binary itself; 128 + SIGILL: through a shell.
         if done.returncode in (-signal.SIGILL, 128 + signal.SIGILL) and not self.extra:
             logger.warning("llama-bench died of an illegal instruction; running it again with %s", " ".join(NO_REPACK))
             self.extra = NO_REPACK
-            return self.round(input_len, output_len, threads)
+            return self.rates(input_len, output_len, threads, repeats)
         if done.returncode != 0:
             tail = (done.stderr or done.stdout).strip()[-500:]
             raise PeerError(f"{' '.join(command)} exited with {done.returncode}: {tail}")
-        rate = {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in json.loads(done.stdout)}
-        return rate["prefill"], rate["decode"]
+        return {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in json.loads(done.stdout)}
 
     def config(self) -> dict[str, Any]:
         return {"repack": self.extra != NO_REPACK, "options": self.extra}

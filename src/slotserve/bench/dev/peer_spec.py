@@ -5,12 +5,11 @@ per prompt (one engine request, one llama.cpp run). n-gram runs `llama-lookup`, 
 count. Prints each side's decode tokens/s (prefill left out on both) and the ratio, per prompt set.
 
 llama.cpp's repacked weights crash llama-speculative on some CPUs (a Xeon with AMX here), so its runs use
-`--no-repack`; a plain `llama-bench` figure (repacked) is printed beside them for scale."""
+`--no-repack`; a plain `llama-bench` figure (repacked where it runs) is printed beside them for scale."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -19,7 +18,7 @@ from typing import Any
 
 import torch
 
-from slotserve.bench.dev.peer import PeerError, gguf_of
+from slotserve.bench.dev.peer import LlamaBench, PeerError, gguf_of
 from slotserve.bench.spec import decode_run, prompt_sets
 from slotserve.config import SpeculativeMethod
 from slotserve.engine.llm_engine import LLMEngine
@@ -51,25 +50,18 @@ def _llama_run(command: list[str]) -> tuple[float, float | None]:
     return float(decoded.group(3)), (float(accepted.group(1)) / 100 if accepted else None)
 
 
-def _llama_plain(args: argparse.Namespace, threads: int) -> float:
-    command = [os.path.join(args.llama_bin, "llama-bench"), "-m", gguf_of(args.model), "-p", "0",
-               "-n", str(args.output_len), "-r", "3", "-t", str(threads), "-o", "json"]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise PeerError(f"{command[0]} exited with {done.returncode}: {done.stderr.strip()[-500:]}")
-    return round(json.loads(done.stdout)[0]["avg_ts"], 2)
-
-
 def run_peer_spec(engine: LLMEngine, args: argparse.Namespace) -> dict[str, Any]:
     spec = engine.config.speculative_config
     if spec is None:
         raise ValueError("speculative_config: peer-spec compares speculative decoding; pass --speculative-config")
     threads = torch.get_num_threads()
+    plain = LlamaBench(os.path.join(args.llama_bin, "llama-bench"), gguf_of(args.model)).rates(
+        0, args.output_len, threads, 3)["decode"]
     params = SamplingParams(temperature=0, max_tokens=args.output_len)
     result: dict[str, Any] = {"bench": "peer_spec", "model": args.model, "method": spec.method.value,
                               "draft": spec.model, "num_speculative_tokens": spec.num_speculative_tokens,
                               "output_len": args.output_len, "threads": threads,
-                              "llama_cpp_plain_decode_tokens_per_s": _llama_plain(args, threads)}
+                              "llama_cpp_plain_decode_tokens_per_s": round(plain, 2)}
     for name, prompts in prompt_sets(engine).items():
         ours, theirs, accepted = [], [], []
         decode_run(engine, [prompts[0][1]], params, 1)  # warm-up: the first request's one-off costs
