@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors import safe_open
 
-from slotserve.bench.random_gguf import SHAPES, WEIGHT_STD, Shapes, tensor_types, write_random_gguf
+from slotserve.bench.random_gguf import SHAPES, WEIGHT_STD, Arch, Shapes, tensor_types, write_random_gguf
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq
 from slotserve.models.gguf import convert_gguf
 from slotserve.models.gguf_reader import read_gguf
@@ -28,6 +28,34 @@ def test_the_7b_shapes_and_types_are_q4_k_m():
     assert tensors["output.weight"][1] == Q.Q6_K and tensors["token_embd.weight"][1] == Q.Q4_K
     wide = [i for i in range(28) if tensors[f"blk.{i}.ffn_down.weight"][1] == Q.Q6_K]
     assert wide == [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 24, 25, 26, 27]  # llama.cpp's use_more_bits
+
+
+def test_the_qwen3_shapes_are_the_published_ones():
+    dense, moe = tensor_types(SHAPES["qwen3-8b"]), tensor_types(SHAPES["qwen3-30b-a3b"])
+    assert 8.1e9 < sum(math.prod(shape) for shape, _ in dense.values()) < 8.3e9  # Qwen3-8B: 8.2 B
+    assert 30.4e9 < sum(math.prod(shape) for shape, _ in moe.values()) < 30.6e9  # Qwen3-30B-A3B: 30.5 B
+    assert dense["blk.0.attn_q.weight"][0] == (4096, 4096) and "blk.0.attn_q.bias" not in dense
+    assert dense["blk.0.attn_k_norm.weight"] == ((128,), Q.F32)
+    assert moe["blk.0.attn_q.weight"][0] == (4096, 2048) and moe["blk.0.attn_output.weight"][0] == (2048, 4096)
+    assert moe["blk.7.ffn_gate_exps.weight"] == ((128, 768, 2048), Q.Q4_K)
+    assert moe["blk.0.ffn_down_exps.weight"] == ((128, 2048, 768), Q.Q6_K)  # use_more_bits, as a dense ffn_down
+    assert moe["blk.0.ffn_gate_inp.weight"] == ((128, 2048), Q.F32) and "blk.0.ffn_up.weight" not in moe
+
+
+def test_a_random_moe_gguf_converts_and_runs(tmp_path):
+    tokenizer = tiny_gguf()[0].write(tmp_path / "tokenizer.gguf")
+    path = tmp_path / "random.gguf"
+    write_random_gguf(path, Shapes(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, vocab=SMALL.vocab,
+                                   context=64, arch=Arch.QWEN3_MOE, head_dim=64, experts=8, experts_used=2,
+                                   moe_intermediate=256), tokenizer)
+    g = read_gguf(path)
+    assert g.architecture == "qwen3moe" and g.tensors["blk.1.ffn_up_exps.weight"].shape == (8, 256, 256)
+    convert_gguf(path, tmp_path / "out")
+    model, cfg = load_model(tmp_path / "out", torch.float32, torch.device("cpu"))
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.head_dim) == (8, 2, 256, 64)
+    runner = ModelRunner(model, cfg, num_blocks=16, block_size=4)
+    logits = runner.execute([ScheduledSeq([3, 70, 200, 5], 0, [0])])[0].logits
+    assert logits.shape == (1, SMALL.vocab) and bool(torch.isfinite(logits).all())
 
 
 def test_a_random_gguf_converts_and_runs(tmp_path):

@@ -126,11 +126,17 @@ def release_pages(tensor: torch.Tensor, mappings: FileMappings) -> None:
     """Drops the whole pages under a contiguous tensor from this process (MADV_DONTNEED), once it is no longer
     read: a view of a memory-mapped checkpoint then stops counting in the process's resident memory (the page
     cache keeps the file; a later read would fault the pages back in). Anonymous memory is left alone."""
-    if _libc is None or not tensor.is_contiguous() or tensor.device.type != "cpu":
-        return
-    start = _round_up(tensor.data_ptr(), mmap.PAGESIZE)
-    stop = (tensor.data_ptr() + tensor.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-    if stop > start and mappings.holds(start):
+    if tensor.is_contiguous() and tensor.device.type == "cpu" and mappings.holds(tensor.data_ptr()):
+        release_range(tensor.data_ptr(), tensor.nbytes)
+
+
+def release_range(address: int, nbytes: int) -> None:
+    """Drops the whole pages within [address, address + nbytes) of a file mapping from this process
+    (MADV_DONTNEED): its pages of a file mapped read-only, which a later read faults back in from the page
+    cache."""
+    start = _round_up(address, mmap.PAGESIZE)
+    stop = (address + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if _libc is not None and stop > start:
         _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), MADV_DONTNEED)
 
 

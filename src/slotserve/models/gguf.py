@@ -289,10 +289,11 @@ def write_weights(g: GGUFFile, mappings: list[TensorMapping], out_file: Path, po
 
     entries: list[tuple[str, str, list[int], int]] = []  # name, dtype, shape, bytes
     packed: dict[str, list[int]] = {}
-    data_file = out_file.with_name(out_file.name + ".data")
     pool = pool or get_pool()
-    with data_file.open("wb") as data, tqdm(total=sum(int(np.prod(m.shape)) * 4 for m in mappings),
-                                           desc="convert", unit="B", unit_scale=True) as bar:
+    reserved = _header_bound(mappings)
+    with out_file.open("wb") as out, tqdm(total=sum(int(np.prod(m.shape)) * 4 for m in mappings),
+                                          desc="convert", unit="B", unit_scale=True) as bar:
+        out.seek(8 + reserved)  # the data goes straight after the header's room: the file is never copied
         for m in mappings:
             qtype = g.tensors[m.gguf_name].qtype
             if qtype in gguf_blocks.QTYPES and len(m.shape) == 2 and built():
@@ -303,28 +304,40 @@ def write_weights(g: GGUFFile, mappings: list[TensorMapping], out_file: Path, po
                 bar.update(rows.nbytes)
                 quantized = qtype not in _FLOAT_TYPES and rows.ndim == 2
                 tensor = pack_narrow(torch.from_numpy(rows)) if quantized else None
+            g.release_rows(m.gguf_name, *m.rows)
             if tensor is None:
                 entries.append((m.hf_name, "F32", list(rows.shape), rows.nbytes))
-                data.write(rows.data)
+                out.write(rows.data)
                 continue
             packed[m.hf_name] = [tensor.n, tensor.k, tensor.zero]
             for part, t in tensor.buffers.items():
                 entries.append((f"{m.hf_name}.packed_{part}", SAFETENSORS_DTYPES[t.dtype], list(t.shape), t.nbytes))
-                data.write(t.contiguous().view(torch.uint8).numpy().data)
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", PACKED_METADATA: json.dumps(packed)}}
-    offset = 0
-    for name, dtype, shape, nbytes in entries:
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)  # the format wants 8-byte aligned data
-    try:
-        with out_file.open("wb") as out, data_file.open("rb") as data:
-            out.write(struct.pack("<Q", len(header_bytes)) + header_bytes)
-            out.flush()
-            shutil.copyfileobj(data, out, 16 << 20)
-    finally:
-        data_file.unlink(missing_ok=True)
+                out.write(t.contiguous().view(torch.uint8).numpy().data)
+        header: dict[str, Any] = {"__metadata__": {"format": "pt", PACKED_METADATA: json.dumps(packed)}}
+        offset = 0
+        for name, dtype, shape, nbytes in entries:
+            header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        header_bytes = json.dumps(header, separators=(",", ":")).encode()
+        if len(header_bytes) > reserved:  # _header_bound is an upper bound by construction
+            raise AssertionError(f"safetensors header of {len(header_bytes)} bytes over its {reserved} reserved")
+        out.seek(0)
+        out.write(struct.pack("<Q", reserved) + header_bytes.ljust(reserved, b" "))  # the format allows the spaces
+
+
+# A header entry's bytes beside its name: `"NAME":{"dtype":"F32","shape":[..],"data_offsets":[..,..]},` with up to
+# six dimensions, each number under 20 digits and a comma; a packed tensor's `\"NAME\": [n, k, zero], ` in the
+# metadata (json.dumps' default separators, its quotes escaped).
+_ENTRY_BYTES, _PACKED_ENTRY_BYTES = 49 + 8 * 21, 12 + 3 * 22
+
+
+def _header_bound(mappings: list[TensorMapping]) -> int:
+    """At least the bytes of the safetensors header write_weights writes for `mappings`, a multiple of 8 (the
+    format wants its data 8-byte aligned): each tensor as every PACKED_PARTS entry and listed packed."""
+    per_tensor = [len(PACKED_PARTS) * (_ENTRY_BYTES + len(m.hf_name) + len(".packed_offset_factors"))
+                  + _PACKED_ENTRY_BYTES + len(m.hf_name) for m in mappings]
+    bound = 256 + sum(per_tensor)
+    return bound + -bound % 8
 
 
 def _dequantize(g: GGUFFile, m: TensorMapping, pool: ThreadPool) -> np.ndarray:
