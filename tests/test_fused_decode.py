@@ -5,17 +5,21 @@ test_model_parity's: those decode steps run fused.)"""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from slotserve.bench.random_gguf import Arch, Shapes, write_random_gguf
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, SeqResult, Want
 from slotserve.kernels import decode_layers
 from slotserve.layers.linear import Linear
 from slotserve.models.fused_decode import FusedDecode
+from slotserve.models.gguf import convert_gguf
 from slotserve.models.loader import load_model
 from slotserve.quantization.int8 import quantize_int8
+from tests.gguf_fixtures import VOCAB_ROWS, tiny_gguf
 
 pytestmark = pytest.mark.skipif(not decode_layers.available(), reason="native kernels not built here")
 
@@ -49,12 +53,35 @@ def _count_fused_steps(monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("arch", ["tiny_qwen2", "tiny_qwen3"])  # q/k/v bias; q/k norm and head_dim 32
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory) -> Path:
+    """Qwen3-MoE with float32 experts (8, top-2), a dense layer between two sparse ones."""
+    path = tmp_path_factory.mktemp("tiny-moe")
+    tiny_gguf("qwen3moe", mixed=False, mlp_only_layers=(1,))[0].write(path / "moe.gguf")
+    convert_gguf(path / "moe.gguf", path / "model")
+    return path / "model"
+
+
+@pytest.fixture(scope="module")
+def packed_moe(tmp_path_factory) -> Path:
+    """Qwen3-MoE with Q4_K and Q6_K experts, packed (the few-row kernel's), 8 of them, top-2."""
+    path = tmp_path_factory.mktemp("packed-moe")
+    tokenizer = tiny_gguf()[0].write(path / "tokenizer.gguf")
+    write_random_gguf(path / "moe.gguf", Shapes(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2,
+                                                vocab=VOCAB_ROWS, context=512, arch=Arch.QWEN3_MOE, head_dim=64,
+                                                experts=8, experts_used=2, moe_intermediate=256), tokenizer)
+    convert_gguf(path / "moe.gguf", path / "model")
+    return path / "model"
+
+
+# q/k/v bias; q/k norm and head_dim 32; mixtures of experts, float32 and packed
+@pytest.mark.parametrize("arch", ["tiny_qwen2", "tiny_qwen3", "tiny_moe", "packed_moe"])
 def test_decode_steps_match_the_layer_path_bitwise(arch, request, monkeypatch):
     fused, layers = _runners(request.getfixturevalue(arch))
     calls = _count_fused_steps(monkeypatch)
     rng = random.Random(0)
-    prompts = [[rng.randrange(100, 150_000) for _ in range(n)] for n in (3, 9, 17)]
+    vocab = fused.cfg.vocab_size
+    prompts = [[rng.randrange(100, vocab) for _ in range(n)] for n in (3, 9, 17)]
     tables = _scattered_tables([len(p) + 6 for p in prompts], rng)
     for runner in (fused, layers):
         runner.execute([ScheduledSeq(p, 0, t) for p, t in zip(prompts, tables, strict=True)])

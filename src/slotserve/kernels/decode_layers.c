@@ -12,6 +12,9 @@
      q, k = rotary(q), rotary(k);  cache[index] = k, v
      attn = decode_attention(q, cache);  x = attn @ Wo^T
      normed = rms_norm(residual += x);  x = down(silu(gate) * up)
+   or, in a mixture-of-experts layer (Qwen3-MoE), each row routed to its top_k experts by the router
+   (moe.c), the rows of each chosen expert gathered and run through its SwiGLU, and x = each row's
+   weighted sum of its experts' outputs: models/qwen3_moe.py's steps, expert by expert in the same order.
    Around them: x = embedding[ids] first (with each row's rotary tables looked up by position), and the
    final norm last, so x comes back as the model's final hidden states; and where the step asks, the output
    head after it: its logits, and their argmax (a greedy pick) while they are still in the caches. */
@@ -19,15 +22,23 @@
 #include "amx_gemm.c"
 #include "decode_attention.c"
 #include "few_rows.c"
+#include "moe.c"
 #include "norm_rotary_swiglu_argmax.c"
 #include "small_gemm.c"
 
 /* One layer's weights (row-major, float32), their packings (packed_linear.h; NULL values: not packed), and its
-   KV cache ([entries][kv_heads][head_dim]). */
+   KV cache ([entries][kv_heads][head_dim]). A mixture-of-experts layer (experts > 0) has no gate_up or down but a
+   router [experts][hidden] and each expert's gate/up and down weights and packings ([experts] arrays each), of
+   expert_intermediate columns. */
 typedef struct {
     const float *input_norm, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *post_norm, *gate_up, *down;
     float *k_cache, *v_cache;
     slotserve_packed_weight qkv_packed, o_packed, gate_up_packed, down_packed;
+    long experts, top_k, expert_intermediate;
+    int renormalize;
+    const float *router;
+    const float *const *expert_gate_up, *const *expert_down;
+    const slotserve_packed_weight *expert_gate_up_packed, *expert_down_packed;
 } slotserve_layer;
 
 /* The step: shapes, the rows' token ids, positions and cache indices, the model's embedding, rotary tables and
@@ -66,11 +77,44 @@ static int linear(const float *in, const float *w, slotserve_packed_weight packe
     return slotserve_small_gemm(in, w, bias, out, T, N, K, s->threads);
 }
 
-int slotserve_decode_scratch(long tokens, long hidden, long intermediate, long heads, long kv_heads,
-                              long head_dim) {
+/* The floats of scratch a step needs: intermediate is the dense layers' MLP width (at least an expert's); experts
+   and top_k are 0 without mixture-of-experts layers. */
+int slotserve_decode_scratch(long tokens, long hidden, long intermediate, long heads, long kv_heads, long head_dim,
+                             long experts, long top_k) {
     const long q = heads * head_dim, kv = kv_heads * head_dim;
-    /* normed, qkv, q, k, attn, o, gate_up, act, cos, sin */
-    return tokens * (hidden + (q + 2 * kv) + q + kv + q + hidden + 2 * intermediate + intermediate + head_dim);
+    /* normed, qkv, q, k, attn, o, gate_up, act, cos, sin, one float to align what follows for longs; a MoE layer's
+       chosen experts and slots (longs, two floats each), router logits and weights, gathered rows, their outputs */
+    return tokens * (hidden + (q + 2 * kv) + q + kv + q + hidden + 2 * intermediate + intermediate + head_dim) + 1
+           + tokens * (4 * top_k + experts + top_k + 2 * top_k * hidden);
+}
+
+/* x = the MoE layer's output for the normed rows: each row's top_k experts (moe.c's routing), the rows of each
+   chosen expert gathered (experts in order, rows in order within each: a stable sort of the pairs by expert)
+   and run through its SwiGLU, then each row's weighted sum (moe.c's). -1: a kernel's scratch failed. */
+static int mixture(const slotserve_layer *L, const float *normed, float *x, float *moe_scratch, float *gate_up,
+                   float *act, long T, long H, const slotserve_decode_step *s) {
+    const long E = L->experts, k = L->top_k, I = L->expert_intermediate, pairs = T * k;
+    long *chosen = (long *)moe_scratch, *slot = chosen + pairs;
+    float *logits = (float *)(slot + pairs), *weights = logits + T * E, *rows = weights + pairs, *ys = rows + pairs * H;
+    if (linear(normed, L->router, (slotserve_packed_weight){0}, NULL, logits, T, E, H, s)) return -1;
+    if (slotserve_moe_route(logits, T, E, k, L->renormalize, weights, chosen)) return -1;
+    long n = 0;
+    for (long e = 0; e < E; e++) {
+        const long start = n;
+        for (long p = 0; p < pairs; p++)
+            if (chosen[p] == e) {
+                memcpy(rows + n * H, normed + p / k * H, (size_t)H * sizeof(float));
+                slot[p] = n++;
+            }
+        const long c = n - start;
+        if (!c) continue;
+        if (linear(rows + start * H, L->expert_gate_up[e], L->expert_gate_up_packed[e], NULL, gate_up, c, 2 * I, H,
+                   s))
+            return -1;
+        slotserve_silu_mul(gate_up, act, c, I, s->threads);
+        if (linear(act, L->expert_down[e], L->expert_down_packed[e], NULL, ys + start * H, c, H, I, s)) return -1;
+    }
+    return slotserve_moe_combine(ys, weights, slot, T, k, H, x);
 }
 
 /* x and residual: [tokens][hidden] each; x comes back as the final norm's output. Returns 0; -1 when a kernel's
@@ -89,6 +133,7 @@ int slotserve_decode_layers(const slotserve_layer *layers, long num_layers, cons
     float *normed = s->scratch, *qkv = normed + T * H, *q = qkv + T * qkv_n, *k = q + T * q_size;
     float *attn = k + T * kv_size, *o = attn + T * q_size, *gate_up = o + T * H, *act = gate_up + T * 2 * I;
     float *cos = act + T * I, *sin = cos + T * half;
+    float *moe_scratch = s->scratch + (sin + T * half - s->scratch + 1) / 2 * 2; /* even: longs aligned */
     for (long t = 0; t < T; t++) {
         if (s->embedding)
             memcpy(x + t * H, s->embedding + s->ids[t] * H, (size_t)H * sizeof(float));
@@ -123,6 +168,10 @@ int slotserve_decode_layers(const slotserve_layer *layers, long num_layers, cons
             return -1;
         if (linear(attn, L->o, L->o_packed, NULL, o, T, H, q_size, s)) return -1;
         slotserve_rms_norm(o, residual, L->post_norm, normed, T, H, s->eps, threads);
+        if (L->experts) {
+            if (mixture(L, normed, x, moe_scratch, gate_up, act, T, H, s)) return -1;
+            continue;
+        }
         if (linear(normed, L->gate_up, L->gate_up_packed, NULL, gate_up, T, 2 * I, H, s)) return -1;
         slotserve_silu_mul(gate_up, act, T, I, threads);
         if (linear(act, L->down, L->down_packed, NULL, x, T, H, I, s)) return -1;

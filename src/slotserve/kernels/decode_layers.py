@@ -12,16 +12,20 @@ from slotserve.kernels.packing import Packing
 
 SOURCE = Path(__file__).with_name("decode_layers.c")
 _ARGS = (ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
-_SCRATCH_ARGS = (ctypes.c_long,) * 6
+_SCRATCH_ARGS = (ctypes.c_long,) * 8
 
 
 class Layer(ctypes.Structure):
     """One layer's weights and KV cache, as data pointers (NULL: no bias, no q/k norm), and its linears'
-    packings."""
+    packings; a mixture-of-experts layer's router and its experts' weights and packings, as [experts] arrays."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in (
+    _fields_ = ([(name, ctypes.c_void_p) for name in (
         "input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm", "gate_up", "down", "k_cache",
         "v_cache")] + [(name, Packing) for name in ("qkv_packed", "o_packed", "gate_up_packed", "down_packed")]
+        + [(name, ctypes.c_long) for name in ("experts", "top_k", "expert_intermediate")]
+        + [("renormalize", ctypes.c_int)]
+        + [(name, ctypes.c_void_p) for name in ("router", "expert_gate_up", "expert_down", "expert_gate_up_packed",
+                                                "expert_down_packed")])
 
 
 class Step(ctypes.Structure):
@@ -44,10 +48,11 @@ def available() -> bool:
     return native.function(SOURCE, "slotserve_decode_layers", _ARGS) is not None
 
 
-def scratch_floats(tokens: int, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int) -> int:
-    """Floats of scratch a step of `tokens` rows needs."""
+def scratch_floats(tokens: int, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
+                   experts: int = 0, top_k: int = 0) -> int:
+    """Floats of scratch a step of `tokens` rows needs (`experts`, `top_k`: its widest mixture-of-experts layer's)."""
     scratch = native.require(native.function(SOURCE, "slotserve_decode_scratch", _SCRATCH_ARGS), SOURCE)
-    return scratch(tokens, hidden, intermediate, heads, kv_heads, head_dim)
+    return scratch(tokens, hidden, intermediate, heads, kv_heads, head_dim, experts, top_k)
 
 
 def decode_layers(layers: ctypes.Array, step: Step, x: int, residual: int) -> None:

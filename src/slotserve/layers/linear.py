@@ -134,6 +134,14 @@ class Linear(nn.Linear):
         return super().forward(x)
 
 
+class FloatLinear(Linear):
+    """A Linear whose weight is never packed: it keeps float32 (a MoE router, where bfloat16 products would flip
+    near-ties between experts), and its few-row calls take the small GEMM, as the fused decode step's do."""
+
+    def pack(self) -> bool:
+        return False
+
+
 class MergedLinear(Linear):
     """Projections of one input stacked into one weight (attention's q, k and v; an MLP's gate and up): one
     call instead of two or three. Measured at batch 1 on CPU, each call costs 30-60 us of Python and

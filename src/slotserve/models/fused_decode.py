@@ -1,22 +1,22 @@
-"""A CPU decode step of a dense Qwen model, from its token embedding to its final norm, in one native call.
+"""A CPU decode step of a Qwen model, from its token embedding to its final norm, in one native call.
 
-The model runner sends here every step whose sequences each compute one token, at most MAX_TOKENS of them
-(the small GEMM's rows), of a model this binds to: a dense Qwen model (qwen.py) with float32 weights on the
-CPU, and the native kernels built. Every other step, and every model it cannot run (MoE layers, int8 linears,
-other devices or dtypes), takes the layer-by-layer path. Why: at batch 1 the GEMMs stream the weights at the
-machine's read rate, and what is left is the Python between them, ~10 calls a layer, each run in caches the
-last weight stream flushed; kernels/decode_layers.c runs all the layers in one call, with the same kernels in
-the same order, so a row gets exactly the bits the layer-by-layer path gives it (a test checks). The step
+The model runner sends here every step whose sequences each compute one token, at most MAX_TOKENS of them (the small
+GEMM's rows), of a model this binds to: a Qwen model (qwen.py), dense or with Qwen3-MoE's mixture-of-experts layers
+(qwen3_moe.py), with float32 weights on the CPU, and the native kernels built. Every other step, and every model it
+cannot run (int8 linears, other devices or dtypes), takes the layer-by-layer path. Why: at batch 1 the GEMMs stream
+the weights at the machine's read rate, and what is left is the Python between them, ~10 calls a layer, each run in
+caches the last weight stream flushed; kernels/decode_layers.c runs all the layers in one call, with the same
+kernels in the same order, so a row gets exactly the bits the layer-by-layer path gives it (a test checks). The step
 comes straight as lists, without the layer path's tensors and attention metadata.
 
 Within the call each linear dispatches as layers/linear.py does (a packing for the rows it runs:
-`PackedWeight.runs`, else the small GEMM); the output head runs there too where the kernel can run it
-(`_head`), and so does each row's argmax where the runner asks for it (Want.GREEDY).
-"""
+`PackedWeight.runs`, else the small GEMM); the output head runs there too where the kernel can run it (`_head`), and
+so does each row's argmax where the runner asks for it (Want.GREEDY)."""
 
 from __future__ import annotations
 
 import array
+import ctypes
 import itertools
 from dataclasses import dataclass
 
@@ -28,41 +28,93 @@ from slotserve.kernels.packing import Packing
 from slotserve.kv_cache.block_table import cache_index, padded_tables
 from slotserve.layers.linear import NATIVE_ROWS, Linear
 from slotserve.models.qwen import QwenDecoderLayer, QwenMLP, QwenModel
+from slotserve.models.qwen3_moe import SparseMoeBlock
 from slotserve.quantization.packed_linear import PackedWeight
 
 MAX_TOKENS = NATIVE_ROWS.stop - 1
 
 
+def _mlp(layer: QwenDecoderLayer) -> QwenMLP | None:
+    """The layer's dense MLP (None: a mixture of experts)."""
+    return layer.mlp if type(layer.mlp) is QwenMLP else None
+
+
 def _layer_tensors(layer: QwenDecoderLayer) -> list[torch.Tensor | None]:
     """The tensors decode_layers.c reads for this layer, in `Layer`'s field order (None: absent)."""
-    attn, mlp = layer.self_attn, layer.mlp
+    attn, mlp = layer.self_attn, _mlp(layer)
+    gate_up, down = (None, None) if mlp is None else (mlp.gate_up_proj.weight, mlp.down_proj.weight)
     return [layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
             None if attn.q_norm is None else attn.q_norm.weight, None if attn.k_norm is None else attn.k_norm.weight,
-            attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
-            attn.attn.k_cache, attn.attn.v_cache]
+            attn.o_proj.weight, layer.post_attention_layernorm.weight, gate_up, down, attn.attn.k_cache,
+            attn.attn.v_cache]
 
 
 def _layer_packed(layer: QwenDecoderLayer) -> list[PackedWeight | None]:
     """The packings of the layer's qkv, o, gate/up and down weights, where they are current (None: not)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return [m.current_packed() for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    attn, mlp = layer.self_attn, _mlp(layer)
+    linears = [attn.qkv_proj, attn.o_proj] + ([None, None] if mlp is None else [mlp.gate_up_proj, mlp.down_proj])
+    return [None if m is None else m.current_packed() for m in linears]
+
+
+def _float_cpu(t: torch.Tensor | None) -> bool:
+    return t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and t.numel() > 0)
+
+
+def _linears_runnable(linears: list[nn.Module]) -> bool:
+    """Float32 CPU linears without a bias, each run by its packing or the small GEMM as layers/linear.py would."""
+    return all(isinstance(m, Linear) and m.bias is None and _float_cpu(m.weight)
+               and (m.weight is not None or m.packed.max_rows >= MAX_TOKENS) for m in linears)
+
+
+def _mixture_runnable(mlp: SparseMoeBlock) -> bool:
+    """Whether the kernel computes this mixture of experts as qwen3_moe.py does: every expert here (no expert
+    parallel), each a dense SwiGLU, the router a float32 weight."""
+    experts = list(mlp.experts.values())
+    return (mlp.exchange is None and mlp.group.size == 1 and len(experts) == mlp.num_experts
+            and all(type(e) is QwenMLP for e in experts) and isinstance(mlp.gate, Linear) and mlp.gate.bias is None
+            and mlp.gate.weight is not None and _float_cpu(mlp.gate.weight)
+            and _linears_runnable([m for e in experts for m in (e.gate_up_proj, e.down_proj)]))
 
 
 def _runnable(layer: QwenDecoderLayer) -> bool:
-    """Whether the kernel computes this layer as qwen.py does: a dense MLP, float32 linears without the
-    biases it has no place for, one eps for every norm, and everything dense on the CPU."""
-    attn, mlp = layer.self_attn, layer.mlp
-    if type(mlp) is not QwenMLP:
+    """Whether the kernel computes this layer as qwen.py does: a dense MLP or Qwen3-MoE's experts, float32
+    linears without the biases it has no place for, one eps for every norm, and everything dense on the CPU."""
+    attn, mlp = layer.self_attn, _mlp(layer)
+    if mlp is None and not (type(layer.mlp) is SparseMoeBlock and _mixture_runnable(layer.mlp)):
         return False
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    if not all(isinstance(m, Linear) for m in linears) or any(m.bias is not None for m in linears[1:]):
-        return False
-    if any(m.weight is None and m.packed.max_rows < MAX_TOKENS for m in linears):  # a packing alone runs them all
+    linears = [attn.o_proj] + ([mlp.gate_up_proj, mlp.down_proj] if mlp else [])
+    qkv = attn.qkv_proj
+    if not _linears_runnable(linears) or not isinstance(qkv, Linear) or not (
+            qkv.weight is not None or qkv.packed.max_rows >= MAX_TOKENS):
         return False
     norms = (layer.input_layernorm, attn.q_norm, attn.k_norm, layer.post_attention_layernorm)
-    return len({n.eps for n in norms if n is not None}) == 1 and all(
-        t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and t.numel() > 0)
-        for t in _layer_tensors(layer))
+    return len({n.eps for n in norms if n is not None}) == 1 and all(_float_cpu(t) for t in _layer_tensors(layer))
+
+
+class _Experts:
+    """A mixture-of-experts layer's parts as decode_layers.c's Layer points to them: its experts' weights and
+    packings in [experts] arrays, held here (with the packings) so the pointers stay valid."""
+
+    def __init__(self, mlp: SparseMoeBlock) -> None:
+        experts = list(mlp.experts.values())
+        self.mlp = mlp
+        self.packed = [[e.gate_up_proj.current_packed(), e.down_proj.current_packed()] for e in experts]
+        self.weights = [(e.gate_up_proj.weight, e.down_proj.weight) for e in experts]
+        pointers = ctypes.c_void_p * len(experts)
+        self.gate_up = pointers(*(None if w is None else w.data_ptr() for w, _ in self.weights))
+        self.down = pointers(*(None if w is None else w.data_ptr() for _, w in self.weights))
+        packings = Packing * len(experts)
+        self.gate_up_packed = packings(*(Packing() if p is None else p.packing for p, _ in self.packed))
+        self.down_packed = packings(*(Packing() if p is None else p.packing for _, p in self.packed))
+        self.intermediate = experts[0].down_proj.in_features
+
+    def fill(self, layer: decode_layers.Layer) -> None:
+        mlp = self.mlp
+        layer.experts, layer.top_k, layer.expert_intermediate = mlp.num_experts, mlp.top_k, self.intermediate
+        layer.renormalize, layer.router = int(mlp.norm_topk_prob), mlp.gate.weight.data_ptr()
+        layer.expert_gate_up, layer.expert_down = ctypes.addressof(self.gate_up), ctypes.addressof(self.down)
+        layer.expert_gate_up_packed = ctypes.addressof(self.gate_up_packed)
+        layer.expert_down_packed = ctypes.addressof(self.down_packed)
 
 
 @dataclass
@@ -84,6 +136,16 @@ def _head(model: nn.Module) -> Linear | None:
                        for t in (head.weight, head.bias)) else None
 
 
+def _intermediate(layers: nn.ModuleList) -> int | None:
+    """The step's MLP width: the dense layers' (None where they differ, or are narrower than an expert, which
+    the kernel's scratch for them serves too), else the experts'."""
+    dense = {mlp.down_proj.in_features for layer in layers if (mlp := _mlp(layer)) is not None}
+    experts = {e.down_proj.in_features for layer in layers if _mlp(layer) is None for e in layer.mlp.experts.values()}
+    if len(dense) > 1 or (dense and experts and min(dense) < max(experts)):
+        return None
+    return next(iter(dense)) if dense else max(experts)
+
+
 def _vocab_rows(embedding: nn.Module) -> int:
     return embedding.packed.n if embedding.weight is None else embedding.weight.shape[0]
 
@@ -103,13 +165,18 @@ class FusedDecode:
             decode_layers.Layer(*(None if t is None else t.data_ptr() for t in ts),
                                 *(Packing() if p is None else p.packing for p in layer_packed))
             for ts, layer_packed in zip(tensors, packed, strict=True)))
+        self.experts = {i: _Experts(layer.mlp) for i, layer in enumerate(model.layers) if _mlp(layer) is None}
+        for i, experts in self.experts.items():
+            experts.fill(self.layers[i])
         first = model.layers[0].self_attn
         hidden, self.cache_entries = model.norm.weight.shape[0], first.attn.k_cache.shape[0]
-        intermediate = model.layers[0].mlp.down_proj.in_features
+        intermediate = _intermediate(model.layers)
         heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        widest = max(self.experts.values(), key=lambda e: e.mlp.num_experts * e.mlp.top_k, default=None)
         self.cos, self.sin = model.rotary.tables(self.final_norm.device)
-        self.scratch = torch.empty(decode_layers.scratch_floats(MAX_TOKENS, hidden, intermediate, heads, kv_heads,
-                                                                head_dim))
+        self.scratch = torch.empty(decode_layers.scratch_floats(
+            MAX_TOKENS, hidden, intermediate, heads, kv_heads, head_dim,
+            *((widest.mlp.num_experts, widest.mlp.top_k) if widest else (0, 0))))
         # Each step's final hidden states land in x: valid until the next step.
         self.x, self.residual = torch.empty(MAX_TOKENS, hidden), torch.empty(MAX_TOKENS, hidden)
         self.x_at, self.residual_at = self.x.data_ptr(), self.residual.data_ptr()
@@ -132,13 +199,13 @@ class FusedDecode:
 
     @classmethod
     def bind(cls, model: nn.Module) -> FusedDecode | None:
-        """For a dense Qwen model (QwenForCausalLM and kin: `model.model` a QwenModel) whose layers the
+        """For a Qwen model (QwenForCausalLM and kin, Qwen3-MoE's: `model.model` a QwenModel) whose layers the
         kernel can run, with the KV caches attached; None otherwise. Its output head runs in the same call
         where the kernel can run it (`_head`)."""
         inner = getattr(model, "model", None)
         if not isinstance(inner, QwenModel) or not inner.layers or not decode_layers.available():
             return None
-        if not all(_runnable(layer) for layer in inner.layers) or not all(
+        if not all(_runnable(layer) for layer in inner.layers) or _intermediate(inner.layers) is None or not all(
                 t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous())
                 for t in (inner.embed_tokens.weight, inner.norm.weight)):
             return None

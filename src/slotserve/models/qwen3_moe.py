@@ -27,6 +27,9 @@ from torch import nn
 from slotserve.config import ConfigError, ModelConfig
 from slotserve.distributed.expert_comm import expert_exchange
 from slotserve.distributed.group import SINGLE, UNSPLIT, ModelParallel
+from slotserve.kernels import moe
+from slotserve.kernels import native as native_kernels
+from slotserve.layers.linear import FloatLinear
 from slotserve.models.qwen import QwenForCausalLM, QwenMLP
 from slotserve.parallel.cpu import torch_parfor
 
@@ -48,7 +51,7 @@ class SparseMoeBlock(nn.Module):
         self.num_experts, self.top_k, self.norm_topk_prob = (
             cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
         self.group = parallel.group
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router, on every rank
+        self.gate = FloatLinear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router, on every rank
         # An expert is the dense SwiGLU MLP at the experts' (smaller) width: split by tensor parallel, or whole
         # on the rank that holds it (expert parallel). Keyed by the expert's number in the checkpoint.
         expert_cfg = replace(cfg, intermediate_size=cfg.moe_intermediate_size)
@@ -70,19 +73,25 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not len(x):  # no tokens (a step's last layer that outputs no row): nothing to route
             return torch.empty_like(x)
-        # Routing in float32: in bf16, near-ties between experts would otherwise flip the choice.
-        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        weights, experts = probs.topk(self.top_k, dim=-1)  # [tokens, top_k]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        logits = self.gate(x)
+        native = moe.applies(logits) and native_kernels.takes(x)  # the fused decode step's own routing and sum
+        if native:
+            weights, experts = moe.route(logits, self.top_k, self.norm_topk_prob)
+        else:  # routing in float32: in bf16, near-ties between experts would otherwise flip the choice
+            weights, experts = F.softmax(logits, dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.exchange is not None:
             return self._expert_parallel(x, experts, weights)
         pairs = experts.flatten()
         order = pairs.argsort(stable=True)
         out = self._run_experts(x[order // self.top_k], pairs[order], self.num_experts)
-        # Back to (token, rank) order, then each token's weighted sum of its experts' outputs. A scatter
-        # (index_add_) would do both in one call, but on CPU it costs milliseconds even for tiny inputs.
-        out = out[order.argsort()].view(*experts.shape, -1)
+        # Each token's weighted sum of its experts' outputs, found where they went (a scatter, index_add_, would
+        # do it in one call, but on CPU it costs milliseconds even for tiny inputs).
+        slot = order.argsort()
+        if native:
+            return self.group.all_reduce(moe.combine(out, weights, slot))
+        out = out[slot].view(*experts.shape, -1)
         return self.group.all_reduce((out * weights.to(x.dtype).unsqueeze(-1)).sum(dim=1))
 
     def _expert_parallel(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
