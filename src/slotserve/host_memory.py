@@ -90,22 +90,27 @@ def _replace(model: nn.Module, new: dict[int, nn.Parameter]) -> None:
                 setattr(module, name, new[id(p)])
 
 
-def into_huge_pages(tensors: list[torch.Tensor], available: int) -> Iterator[torch.Tensor] | None:
+def into_huge_pages(tensors: list[torch.Tensor], available: int,
+                    originals_freed: bool = False) -> Iterator[torch.Tensor] | None:
     """Copies of `tensors` in one huge-page region, made one at a time as the caller takes them (each taken off
     the list as it is copied, so the caller can let it go before the next), each original's file pages released
     (`release_pages`) a COPY_CHUNK at a time as they are copied, so no more than that is resident twice; None
-    where huge pages are off, or the copies would not fit in `available` bytes."""
+    where huge pages are off, or the copies would not fit in `available` bytes. With `originals_freed` (the
+    caller drops each original once its copy is taken), the originals in anonymous memory count as room: the
+    region grows as they go (a merged projection's copies, 12 GB of a 30B-A3B model's 18)."""
     if not enabled() or not tensors:
         return None
     total = sum(_round_up(t.nbytes, _ALIGN) for t in tensors)
-    if total > available:
+    mappings = FileMappings.read()
+    freed = sum(t.nbytes for t in tensors if not mappings.holds(t.data_ptr())) if originals_freed else 0
+    if total - freed > available:
         logger.info("weights stay in 4 KB pages: moving %.1f GiB would exceed the %.1f GiB available",
-                    total / (1 << 30), available / (1 << 30))
+                    total / (1 << 30), (available + freed) / (1 << 30))
         return None
     region = huge_page_bytes(total)  # its pages are faulted in as the copies touch them
 
     def copies() -> Iterator[torch.Tensor]:
-        offset, mappings = 0, FileMappings.read()
+        offset = 0
         while tensors:
             t = tensors.pop(0)  # held no longer here: the caller's last reference may go
             view = region[offset:offset + t.nbytes].view(t.dtype).view(t.shape)

@@ -92,19 +92,23 @@ def fma_peak() -> float | None:
 
 def linear_params(model: nn.Module) -> tuple[int, int, int]:
     """(parameters in decoder linears, parameters in the output head, bytes of all of them that a batch-1
-    decode step reads: a packing's where it serves one row, layers/linear.py)."""
+    decode step reads: a packing's where it serves one row, layers/linear.py), a token's: of a mixture of experts,
+    the share its top_k of num_experts are."""
+    share = {id(m): mixture.top_k / mixture.num_experts for mixture in model.modules()
+             if hasattr(mixture, "experts") and hasattr(mixture, "top_k") for m in mixture.experts.modules()}
     body = head = nbytes = 0
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear | Int8Linear):
             params = m.in_features * m.out_features
             if isinstance(m, Linear):
-                nbytes += m.streamed_bytes(1)
+                read = m.streamed_bytes(1)
             else:
-                nbytes += params * (1 if isinstance(m, Int8Linear) else m.weight.element_size())
+                read = params * (1 if isinstance(m, Int8Linear) else m.weight.element_size())
+            nbytes += round(read * share.get(id(m), 1.0))
             if name.endswith("lm_head"):
                 head += params
             else:
-                body += params
+                body += round(params * share.get(id(m), 1.0))
     return body, head, nbytes
 
 

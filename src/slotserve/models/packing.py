@@ -77,7 +77,8 @@ def move_packings(model: nn.Module, available: int) -> int:
     holders = [m for m in model.modules() if isinstance(m, Linear) and m.weight is None]
     unique = {id(m.packed): m.packed for m in holders}
     users = [m for m in model.modules() if isinstance(m, Linear | VocabEmbedding) and id(m.packed) in unique]
-    copies = host_memory.into_huge_pages([t for p in unique.values() for t in p.tensor().buffers.values()], available)
+    copies = host_memory.into_huge_pages([t for p in unique.values() for t in p.tensor().buffers.values()], available,
+                                         originals_freed=True)
     if copies is None:
         return 0
     moved = 0
