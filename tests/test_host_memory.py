@@ -122,3 +122,12 @@ def test_anonymous_memory_is_not_released():
     before = values.clone()
     host_memory.release_pages(values, host_memory.FileMappings.read())
     assert torch.equal(values, before)
+
+
+def test_anonymous_originals_the_caller_frees_count_as_room(tmp_path):
+    anonymous = [torch.randn(1 << 20) for _ in range(3)]  # 4 MB each
+    mapped = _mapped_file_tensor(tmp_path / "w.bin", torch.randn(1 << 20))
+    room = 6 << 20  # less than the 16 MB copied, more than the file-backed 4 MB and its alignment
+    assert host_memory.into_huge_pages([*anonymous, mapped], room) is None
+    copies = host_memory.into_huge_pages([*anonymous, mapped], room, originals_freed=True)
+    assert copies is not None and all(torch.equal(c, t) for c, t in zip(copies, [*anonymous, mapped], strict=True))
