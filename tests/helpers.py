@@ -41,3 +41,9 @@ def run_to_completion(engine: Any, prompts: Sequence[list[int]], params: Any,
         step += 1
     engine.kv.pool.check_whole()
     return done
+
+
+# A grammar (structured outputs' lark) for a Qwen3 answer with reasoning: the think tags as the tokenizer's own
+# tokens (<think> 151667, </think> 151668), as the model writes them.
+THINKING = ('start: <[151667]> "\\n" /[a-z]{2,8}( [a-z]{2,8}){0,3}/ "\\n" <[151668]> "\\n\\n" '
+            '/[a-z]{2,8}( [a-z]{2,8}){0,2}/')

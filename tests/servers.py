@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -91,3 +92,10 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def reasoning_server(model_dir) -> Iterator[Server]:
+    """A fixture's server over `model_dir` with Qwen3's reasoning parser, stopped (and checked to exit 0) after."""
+    srv = Server(model_dir, "--reasoning-parser", "qwen3")
+    yield srv
+    assert srv.stop() == 0

@@ -30,8 +30,10 @@ from starlette.exceptions import HTTPException
 from slotserve.config import EngineConfig
 from slotserve.engine import diagnostics
 from slotserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestAbortedError
+from slotserve.entrypoints.openai import messages
 from slotserve.entrypoints.openai.errors import ServerError, as_server_error, bad_request, unavailable
 from slotserve.entrypoints.openai.limits import RequestLimits
+from slotserve.entrypoints.openai.messages import MessagesAPI, MessagesRequest
 from slotserve.entrypoints.openai.metrics import ServerMetrics
 from slotserve.entrypoints.openai.protocol import (
     Body,
@@ -44,6 +46,7 @@ from slotserve.entrypoints.openai.protocol import (
     require_model,
 )
 from slotserve.entrypoints.openai.reasoning import ReasoningParserKind
+from slotserve.entrypoints.openai.responses import ResponsesAPI, ResponsesRequest
 from slotserve.entrypoints.openai.serving import ClientDisconnectedError, OpenAIServing, new_request_id
 from slotserve.entrypoints.openai.tool_calls import messages_for_template
 from slotserve.multimodal.chat import flatten_messages
@@ -94,14 +97,15 @@ class _Gate:
             await send(message)
 
         if self.api_key and scope["path"] not in _OPEN_PATHS:
-            supplied = headers.get("authorization", "")
-            if not hmac.compare_digest(supplied.encode(), f"Bearer {self.api_key}".encode()):
+            # OpenAI's clients send the key as a bearer token, Anthropic's as x-api-key.
+            bearer = hmac.compare_digest(headers.get("authorization", "").encode(), f"Bearer {self.api_key}".encode())
+            if not bearer and not hmac.compare_digest(headers.get("x-api-key", "").encode(), self.api_key.encode()):
                 error = ServerError(401, "AuthenticationError", "missing or invalid API key")
-                await _error(error)(scope, receive, send_with_id)
+                await _error(error, scope["path"])(scope, receive, send_with_id)
                 return
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await _error(self._too_large())(scope, receive, send_with_id)
+            await _error(self._too_large(), scope["path"])(scope, receive, send_with_id)
             return
         received = 0
 
@@ -127,6 +131,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     metrics = ServerMetrics(settings.model_name)
     serving = OpenAIServing(engine, settings.model_name, metrics, settings.limits, settings.max_queued_requests,
                             settings.reasoning_parser)
+    responses_api, messages_api = ResponsesAPI(serving), MessagesAPI(serving)
     state = state or ServerState()
 
     @contextlib.asynccontextmanager
@@ -146,19 +151,19 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     app.add_middleware(_Gate, api_key=settings.api_key, max_body_bytes=settings.limits.max_body_bytes)
 
     @app.exception_handler(ServerError)
-    async def server_error(_: Request, e: ServerError):
-        return _error(e)
+    async def server_error(raw: Request, e: ServerError):
+        return _error(e, raw.url.path)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, e: HTTPException):
+    async def http_error(raw: Request, e: HTTPException):
         kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(e.status_code, "BadRequestError")
-        return _error(ServerError(e.status_code, kind, str(e.detail)))
+        return _error(ServerError(e.status_code, kind, str(e.detail)), raw.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError):
+    async def validation_error(raw: Request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()))
-        return _error(bad_request(f"{where}: {first.get('msg', 'invalid request')}", where or None))
+        return _error(bad_request(f"{where}: {first.get('msg', 'invalid request')}", where or None), raw.url.path)
 
     @app.exception_handler(ClientDisconnectedError)
     async def client_gone(_: Request, e: ClientDisconnectedError):
@@ -167,7 +172,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     @app.exception_handler(Exception)
     async def internal_error(raw: Request, e: Exception):
         logger.exception("request %s failed", raw.state.client_request_id)
-        return _error(as_server_error(e))
+        return _error(as_server_error(e), raw.url.path)
 
     def admit(body: BaseModel) -> None:
         if state.shutting_down:
@@ -201,6 +206,14 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
         return await run(serving.chat, ChatCompletionRequest, raw)
+
+    @app.post("/v1/responses")
+    async def responses(raw: Request):
+        return await run(responses_api.create, ResponsesRequest, raw)
+
+    @app.post(messages.PATH)
+    async def anthropic_messages(raw: Request):
+        return await run(messages_api.create, MessagesRequest, raw)
 
     @app.post("/v1/embeddings")
     async def embeddings(raw: Request):
@@ -283,8 +296,10 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     return app
 
 
-def _error(e: ServerError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+def _error(e: ServerError, path: str) -> JSONResponse:
+    """The error body in the shape of the API the path belongs to: Anthropic's under /v1/messages, else OpenAI's."""
+    body = messages.error_body(e) if path.startswith(messages.PATH) else e.body()
+    return JSONResponse(body, status_code=e.status)
 
 
 async def _exit_after_death(engine: AsyncLLM, delay: float, exit_server: Callable[[int], None]) -> None:

@@ -1,6 +1,6 @@
-"""A chat answer's text as OpenAI's message: the reasoning (`--reasoning-parser`), the tool calls (when the
-request offers tools), and the content, whole or delta by delta; and the grammar that makes `tool_choice`
-"required" or a named function hold."""
+"""A chat answer's text split into the reasoning (`--reasoning-parser`), the tool calls (when the request offers
+tools) and the content, whole or delta by delta, typed (`ParsedMessage`, `ChatDelta`) and as OpenAI's message;
+and the grammar that makes `tool_choice` "required" or a named function hold."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 from slotserve.entrypoints.openai.reasoning import THINK_END, THINK_START, ReasoningStream, split_reasoning
 from slotserve.entrypoints.openai.tool_calls import ToolCallDelta, ToolCallStream, parse_tool_calls
+from slotserve.outputs import ToolCall
 from slotserve.sampling_params import StructuredOutputsParams
 
 
@@ -28,6 +29,24 @@ def output_options(prompt: str, reasoning_parser: bool, tools: bool) -> ChatOutp
     return ChatOutputOptions(reasoning_parser and not closed, reasoning_parser and starts_inside, tools)
 
 
+@dataclass(frozen=True)
+class ChatDelta:
+    """What a piece of one choice's text adds: reasoning, content, and the tool calls it completes (each whole)."""
+
+    reasoning: str | None = None
+    content: str | None = None
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+
+
+@dataclass(frozen=True)
+class ParsedMessage:
+    """A whole answer: its reasoning, its content and its tool calls."""
+
+    reasoning: str | None
+    content: str | None
+    tool_calls: tuple[ToolCall, ...]
+
+
 class ChoiceParser:
     """One choice's text, split as it streams."""
 
@@ -40,8 +59,8 @@ class ChoiceParser:
     def called(self) -> bool:
         return self.tools is not None and bool(self.tools.calls)
 
-    def feed(self, text: str, last: bool = False) -> dict[str, Any]:
-        """The delta's fields for this piece of text (`last`: the choice ends with it)."""
+    def parse(self, text: str, last: bool = False) -> ChatDelta:
+        """What this piece of text (`last`: the choice ends with it) adds to the reasoning, content and calls."""
         reasoning = None
         if self.reasoning is not None:
             part = self.reasoning.feed(text)
@@ -58,28 +77,42 @@ class ChoiceParser:
                 rest = self.tools.finish()
                 text += rest.content or ""
                 calls += rest.tool_calls
+        return ChatDelta(reasoning or None, text or None, tuple(calls))
+
+    def feed(self, text: str, last: bool = False) -> dict[str, Any]:
+        """The chat-completion delta's fields for this piece of text (`last`: the choice ends with it)."""
+        parsed = self.parse(text, last)
         delta: dict[str, Any] = {}
-        if reasoning:
-            delta["reasoning_content"] = reasoning
-        if text:
-            delta["content"] = text
-        if calls:
-            delta["tool_calls"] = [_delta_json(c) for c in calls]
+        if parsed.reasoning:
+            delta["reasoning_content"] = parsed.reasoning
+        if parsed.content:
+            delta["content"] = parsed.content
+        if parsed.tool_calls:
+            delta["tool_calls"] = [_delta_json(c) for c in parsed.tool_calls]
         return delta
+
+
+def parse_message(text: str, options: ChatOutputOptions) -> ParsedMessage:
+    """The whole answer split into its reasoning, content and tool calls."""
+    reasoning, content = None, text
+    if options.reasoning:
+        split = split_reasoning(text, starts_in_reasoning=options.starts_in_reasoning)
+        reasoning, content = split.reasoning_content, split.content
+    if options.tools and content:
+        parsed = parse_tool_calls(content)
+        return ParsedMessage(reasoning, parsed.content, tuple(parsed.tool_calls))
+    return ParsedMessage(reasoning, content, ())
 
 
 def message(text: str, options: ChatOutputOptions) -> dict[str, Any]:
     """The whole answer as an assistant message."""
-    out: dict[str, Any] = {"role": "assistant", "content": text}
+    parsed = parse_message(text, options)
+    out: dict[str, Any] = {"role": "assistant", "content": parsed.content}
     if options.reasoning:
-        split = split_reasoning(text, starts_in_reasoning=options.starts_in_reasoning)
-        out["reasoning_content"], out["content"] = split.reasoning_content, split.content
-    if options.tools and out["content"]:
-        parsed = parse_tool_calls(out["content"])
-        out["content"] = parsed.content
-        if parsed.tool_calls:
-            out["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.tool_calls]
+        out["reasoning_content"] = parsed.reasoning
+    if parsed.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in parsed.tool_calls]
     return out
 
 

@@ -12,6 +12,11 @@ from slotserve.entrypoints.openai.limits import RequestLimits
 from slotserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# vLLM's fields that the Responses and Messages APIs take too (as the SDKs' extra_body), beside their own.
+SAMPLING_EXTENSIONS = frozenset({
+    "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
+    "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens", "structured_outputs", "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar", "chat_template_kwargs"})
 # OpenAI's own cap on the inputs of one embeddings request.
 MAX_EMBEDDING_INPUTS = 2048
 
@@ -62,10 +67,7 @@ class _SamplingFields(BaseModel):
 
     def unsupported(self) -> None:
         """A 400 naming the first OpenAI field that asks for something this server does not do."""
-        values = {**(self.model_extra or {}), **{k: getattr(self, k) for k in type(self).model_fields}}
-        for name, unused in self.unsupported_fields.items():
-            if name in values and values[name] not in unused:
-                raise bad_request(f"{name}: not supported by this server", name)
+        reject_unsupported(self, self.unsupported_fields)
 
     def check_limits(self, limits: RequestLimits, num_prompts: int) -> None:
         if self.n * num_prompts > limits.max_n:
@@ -130,6 +132,20 @@ class _SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self.structured(),
         )
+
+
+def reject_unsupported(body: BaseModel, fields: dict[str, tuple[Any, ...]]) -> None:
+    """A 400 naming the first of `fields` (each with the values that mean "not used") that `body` uses."""
+    values = {**(body.model_extra or {}), **{k: getattr(body, k) for k in type(body).model_fields}}
+    for name, unused in fields.items():
+        if name in values and values[name] not in unused:
+            raise bad_request(f"{name}: not supported by this server", name)
+
+
+def sampling_extensions(body: BaseModel) -> dict[str, Any]:
+    """The vLLM sampling fields a body of another API (Responses, Messages) carries beside its own, to be passed
+    on to the chat request it becomes."""
+    return {k: v for k, v in (body.model_extra or {}).items() if k in SAMPLING_EXTENSIONS}
 
 
 def _response_format(form: dict[str, Any]) -> StructuredOutputsParams:

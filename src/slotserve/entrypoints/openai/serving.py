@@ -1,4 +1,5 @@
-"""The completion and chat-completion endpoints: requests in, OpenAI-shaped JSON or SSE out."""
+"""The completion and chat-completion endpoints: requests in, OpenAI-shaped JSON or SSE out; and the chat run
+(`start_chat`, then `collect_chat` or `stream_chat`) that the Responses and Messages APIs answer through."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -20,14 +21,17 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from slotserve.engine.async_llm import AsyncLLM, RequestStream
 from slotserve.entrypoints.openai.chat_output import (
+    ChatDelta,
     ChatOutputOptions,
     ChoiceParser,
+    ParsedMessage,
     check_tools,
     message,
     output_options,
+    parse_message,
     tool_grammar,
 )
-from slotserve.entrypoints.openai.errors import as_server_error, unavailable
+from slotserve.entrypoints.openai.errors import ServerError, as_server_error, unavailable
 from slotserve.entrypoints.openai.images import fetch_images
 from slotserve.entrypoints.openai.limits import RequestLimits
 from slotserve.entrypoints.openai.metrics import RequestTracker, ServerMetrics
@@ -57,6 +61,30 @@ class _Choice:
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+@dataclass(frozen=True)
+class ChatRun:
+    """A one-prompt chat request queued in the engine, with how its text is to be split."""
+
+    request_id: str
+    streams: list[RequestStream]
+    params: SamplingParams
+    options: ChatOutputOptions
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(s.prompt_token_ids) for s in self.streams)
+
+
+@dataclass(frozen=True)
+class Finish:
+    """How a choice ended, and the tokens its request took."""
+
+    reason: str  # "stop" | "length" | "abort"
+    stop: int | str | None  # the stop string or stop token id that ended it
+    prompt_tokens: int
+    completion_tokens: int
 
 
 class ClientDisconnectedError(Exception):
@@ -122,6 +150,24 @@ class OpenAIServing:
         })
 
     async def chat(self, body: ChatCompletionRequest, raw: Request, request_id: str):
+        run = await self.start_chat(body, request_id)
+        if body.stream:
+            return self._sse(run.streams, self._chat_chunks(body, request_id, run))
+        choices, usage = await self._collect(raw, run.streams, run.params)
+        messages = [message(c.text, run.options) for c in choices]
+        top = body.top_logprobs if body.logprobs else None
+        return JSONResponse({
+            "id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()),
+            "model": self.model_name, "usage": usage,
+            "choices": [{"index": c.index, "message": m,
+                         "finish_reason": "tool_calls" if "tool_calls" in m and c.finish_reason == "stop"
+                         else c.finish_reason, "stop_reason": c.stop_reason,
+                         "logprobs": _chat_logprobs(c.logprobs, top) if body.logprobs else None}
+                        for c, m in zip(choices, messages, strict=True)],
+        })
+
+    async def start_chat(self, body: ChatCompletionRequest, request_id: str) -> ChatRun:
+        """Checks a chat request, renders its prompt and queues it: what every chat-shaped API runs."""
         body.unsupported()
         body.check_limits(self.limits, 1)
         top = body.top_logprobs if body.logprobs else None
@@ -141,19 +187,23 @@ class OpenAIServing:
         prompt, images = await asyncio.to_thread(self._render, body)
         options = output_options(prompt, self.reasoning_parser is not None, calls_tools)
         streams = await self._start(request_id, [prompt], params, await fetch_images(images, self.limits))
-        if body.stream:
-            return self._sse(streams, self._chat_chunks(body, request_id, streams, params, options))
-        choices, usage = await self._collect(raw, streams, params)
-        messages = [message(c.text, options) for c in choices]
-        return JSONResponse({
-            "id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()),
-            "model": self.model_name, "usage": usage,
-            "choices": [{"index": c.index, "message": m,
-                         "finish_reason": "tool_calls" if "tool_calls" in m and c.finish_reason == "stop"
-                         else c.finish_reason, "stop_reason": c.stop_reason,
-                         "logprobs": _chat_logprobs(c.logprobs, top) if body.logprobs else None}
-                        for c, m in zip(choices, messages, strict=True)],
-        })
+        return ChatRun(request_id, streams, params, options)
+
+    async def collect_chat(self, raw: Request, run: ChatRun) -> tuple[ParsedMessage, Finish]:
+        """Runs a one-choice chat request to the end: the answer parsed, and how it ended."""
+        (choice,), usage = await self._collect(raw, run.streams, run.params)
+        return parse_message(choice.text, run.options), Finish(
+            choice.finish_reason or "abort", choice.stop_reason, usage["prompt_tokens"], usage["completion_tokens"])
+
+    async def stream_chat(self, run: ChatRun) -> AsyncIterator[tuple[ChatDelta, Finish | None]]:
+        """A one-choice chat request's parsed deltas as they come; the last one comes with how it ended."""
+        tracker = self.metrics.track(run.request_id, run.prompt_tokens)
+        parser = ChoiceParser(run.options)
+        async for _, comp in self._outputs(run.streams, tracker):
+            done = comp.finish_reason is not None
+            finish = Finish(comp.finish_reason, comp.stop_reason, tracker.prompt_tokens, tracker.completion_tokens) \
+                if done else None
+            yield parser.parse(comp.text, last=done), finish
 
     async def embeddings(self, body: EmbeddingRequest, raw: Request, request_id: str):
         prompts = body.prompts()
@@ -259,18 +309,29 @@ class OpenAIServing:
 
     # ---- streaming ----------------------------------------------------------------------------
 
-    def _sse(self, streams: list[RequestStream], chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    def sse(self, streams: list[RequestStream], events: AsyncIterator[str],
+            error_event: Callable[[ServerError], str], last: str = "") -> StreamingResponse:
+        """A streamed answer: `events` as they come (each a whole SSE event), then `last`; an error raised
+        mid-stream becomes `error_event`, the API's own, since the status line is long gone."""
         async def body() -> AsyncIterator[str]:
             try:
-                async for chunk in chunks:
-                    yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-            except Exception as e:  # the status line is long gone: the error goes into the stream
+                async for event in events:
+                    yield event
+            except Exception as e:
                 error = as_server_error(e)
                 logger.warning("request %s ended with an error mid-stream: %s", streams[0].request_id, error)
-                yield f"data: {json.dumps(error.body(), ensure_ascii=False)}\n\n"
-            yield "data: [DONE]\n\n"
+                yield error_event(error)
+            if last:
+                yield last
 
         return EngineStreamResponse(body(), streams)
+
+    def _sse(self, streams: list[RequestStream], chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+        async def events() -> AsyncIterator[str]:
+            async for chunk in chunks:
+                yield sse_event(chunk)
+
+        return self.sse(streams, events(), lambda error: sse_event(error.body()), "data: [DONE]\n\n")
 
     async def _completion_chunks(self, body: CompletionRequest, request_id: str, streams: list[RequestStream],
                                  params: SamplingParams) -> AsyncIterator[dict[str, Any]]:
@@ -284,19 +345,19 @@ class OpenAIServing:
         if body.stream_options and body.stream_options.include_usage:
             yield {**base, "choices": [], "usage": tracker.usage()}
 
-    async def _chat_chunks(self, body: ChatCompletionRequest, request_id: str, streams: list[RequestStream],
-                           params: SamplingParams, options: ChatOutputOptions) -> AsyncIterator[dict[str, Any]]:
+    async def _chat_chunks(self, body: ChatCompletionRequest, request_id: str,
+                           run: ChatRun) -> AsyncIterator[dict[str, Any]]:
         base = {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.model_name}
         top = body.top_logprobs or 0
-        tracker = self.metrics.track(request_id, sum(len(s.prompt_token_ids) for s in streams))
-        for j in range(params.n):
+        tracker = self.metrics.track(request_id, run.prompt_tokens)
+        for j in range(run.params.n):
             yield {**base, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]}
         parsers: dict[tuple[int, int], ChoiceParser] = {}
 
         def render(i: int, comp: CompletionOutput) -> dict[str, Any]:
-            parser = parsers.setdefault((i, comp.index), ChoiceParser(options))
+            parser = parsers.setdefault((i, comp.index), ChoiceParser(run.options))
             done = comp.finish_reason is not None
             out = {"delta": parser.feed(comp.text, last=done),
                    "logprobs": _chat_logprobs(comp.logprobs, top) if body.logprobs else None}
@@ -304,13 +365,22 @@ class OpenAIServing:
                 out["finish_reason"] = "tool_calls"
             return out
 
-        async for chunk in self._stream_choices(streams, params, base, tracker, render):
+        async for chunk in self._stream_choices(run.streams, run.params, base, tracker, render):
             yield chunk
         if body.stream_options and body.stream_options.include_usage:
             yield {**base, "choices": [], "usage": tracker.usage()}
 
     async def _stream_choices(self, streams: list[RequestStream], params: SamplingParams, base: dict[str, Any],
                               tracker: RequestTracker, render) -> AsyncIterator[dict[str, Any]]:
+        async for i, comp in self._outputs(streams, tracker):
+            choice = {"index": i * params.n + comp.index, "finish_reason": comp.finish_reason, **render(i, comp)}
+            if comp.finish_reason is not None:
+                choice["stop_reason"] = comp.stop_reason
+            yield {**base, "choices": [choice]}
+
+    async def _outputs(self, streams: list[RequestStream],
+                       tracker: RequestTracker) -> AsyncIterator[tuple[int, CompletionOutput]]:
+        """Every choice's deltas that carry something, with their prompt's position, counted by `tracker`."""
         reasons = []
         try:
             async for i, out in self._merged(streams):
@@ -318,12 +388,9 @@ class OpenAIServing:
                 for comp in out.outputs:
                     if not comp.text and not comp.token_ids and comp.finish_reason is None:
                         continue
-                    choice = {"index": i * params.n + comp.index, "finish_reason": comp.finish_reason,
-                              **render(i, comp)}
                     if comp.finish_reason is not None:
-                        choice["stop_reason"] = comp.stop_reason
-                        reasons.append(choice["finish_reason"])
-                    yield {**base, "choices": [choice]}
+                        reasons.append(comp.finish_reason)
+                    yield i, comp
         finally:
             tracker.finish(*(reasons or ["abort"]))
 
@@ -393,6 +460,12 @@ def _chat_logprobs(positions: list[PositionLogprobs] | None, top: int | None) ->
                               "bytes": list((e.decoded_token or "").encode())} for e in alternatives],
         })
     return {"content": content}
+
+
+def sse_event(data: dict[str, Any], event: str | None = None) -> str:
+    """One server-sent event; `event` names it (the Responses and Messages APIs name theirs)."""
+    name = f"event: {event}\n" if event else ""
+    return f"{name}data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
 def new_request_id() -> str:
