@@ -83,22 +83,32 @@ int slotserve_decode_scratch(long tokens, long hidden, long intermediate, long h
                              long experts, long top_k) {
     const long q = heads * head_dim, kv = kv_heads * head_dim;
     /* normed, qkv, q, k, attn, o, gate_up, act, cos, sin, one float to align what follows for longs; a MoE layer's
-       chosen experts and slots (longs, two floats each), router logits and weights, gathered rows, their outputs */
+       chosen experts, slots, experts run and their first rows (longs, two floats each), router logits and weights,
+       gathered rows, their outputs, and their gate/up and activations */
     return tokens * (hidden + (q + 2 * kv) + q + kv + q + hidden + 2 * intermediate + intermediate + head_dim) + 1
-           + tokens * (4 * top_k + experts + top_k + 2 * top_k * hidden);
+           + tokens * (8 * top_k + experts + top_k + 2 * top_k * hidden + 3 * top_k * intermediate);
+}
+
+/* Whether each chosen expert's products take the few-row kernel on the vector units (as linear() would pick for
+   its c rows), so that slotserve_few_rows_jobs can run them all in one region. */
+static int few_rows_alone(const slotserve_packed_weight *p, long c) {
+    return p->values && p->narrow && c < p->min_rows && c <= p->max_rows && !(p->tile_rows > 0 && c >= p->tile_rows);
 }
 
 /* x = the MoE layer's output for the normed rows: each row's top_k experts (moe.c's routing), the rows of each
    chosen expert gathered (experts in order, rows in order within each: a stable sort of the pairs by expert)
-   and run through its SwiGLU, then each row's weighted sum (moe.c's). -1: a kernel's scratch failed. */
-static int mixture(const slotserve_layer *L, const float *normed, float *x, float *moe_scratch, float *gate_up,
-                   float *act, long T, long H, const slotserve_decode_step *s) {
+   and run through its SwiGLU, then each row's weighted sum (moe.c's). Where every chosen expert's products take
+   the few-row kernel, all of a projection's run in one call. -1: a kernel's scratch failed. */
+static int mixture(const slotserve_layer *L, const float *normed, float *x, float *moe_scratch, long T, long H,
+                   const slotserve_decode_step *s) {
     const long E = L->experts, k = L->top_k, I = L->expert_intermediate, pairs = T * k;
-    long *chosen = (long *)moe_scratch, *slot = chosen + pairs;
-    float *logits = (float *)(slot + pairs), *weights = logits + T * E, *rows = weights + pairs, *ys = rows + pairs * H;
+    long *chosen = (long *)moe_scratch, *slot = chosen + pairs, *expert = slot + pairs, *first = expert + pairs;
+    float *logits = (float *)(first + pairs), *weights = logits + T * E, *rows = weights + pairs;
+    float *ys = rows + pairs * H, *gate_up = ys + pairs * H, *act = gate_up + pairs * 2 * I;
     if (linear(normed, L->router, (slotserve_packed_weight){0}, NULL, logits, T, E, H, s)) return -1;
     if (slotserve_moe_route(logits, T, E, k, L->renormalize, weights, chosen)) return -1;
-    long n = 0;
+    long n = 0, used = 0; /* rows gathered; experts chosen: expert[u]'s rows from first[u] */
+    int alone = 1;
     for (long e = 0; e < E; e++) {
         const long start = n;
         for (long p = 0; p < pairs; p++)
@@ -106,13 +116,34 @@ static int mixture(const slotserve_layer *L, const float *normed, float *x, floa
                 memcpy(rows + n * H, normed + p / k * H, (size_t)H * sizeof(float));
                 slot[p] = n++;
             }
-        const long c = n - start;
-        if (!c) continue;
-        if (linear(rows + start * H, L->expert_gate_up[e], L->expert_gate_up_packed[e], NULL, gate_up, c, 2 * I, H,
-                   s))
-            return -1;
-        slotserve_silu_mul(gate_up, act, c, I, s->threads);
-        if (linear(act, L->expert_down[e], L->expert_down_packed[e], NULL, ys + start * H, c, H, I, s)) return -1;
+        if (n == start) continue;
+        expert[used] = e, first[used++] = start;
+        alone &= few_rows_alone(L->expert_gate_up_packed + e, n - start)
+                 && few_rows_alone(L->expert_down_packed + e, n - start);
+    }
+    if (alone) {
+        slotserve_few_rows_job jobs[used];
+        for (long u = 0; u < used; u++) {
+            const long c = (u + 1 < used ? first[u + 1] : n) - first[u];
+            jobs[u] = (slotserve_few_rows_job){rows + first[u] * H, L->expert_gate_up_packed + expert[u],
+                                               gate_up + first[u] * 2 * I, c, 2 * I, H};
+        }
+        if (slotserve_few_rows_jobs(jobs, used, s->threads)) return -1;
+        slotserve_silu_mul(gate_up, act, n, I, s->threads);
+        for (long u = 0; u < used; u++)
+            jobs[u] = (slotserve_few_rows_job){act + first[u] * I, L->expert_down_packed + expert[u],
+                                               ys + first[u] * H, jobs[u].M, H, I};
+        if (slotserve_few_rows_jobs(jobs, used, s->threads)) return -1;
+    } else {
+        for (long u = 0; u < used; u++) {
+            const long e = expert[u], at = first[u], c = (u + 1 < used ? first[u + 1] : n) - at;
+            if (linear(rows + at * H, L->expert_gate_up[e], L->expert_gate_up_packed[e], NULL, gate_up + at * 2 * I, c,
+                       2 * I, H, s))
+                return -1;
+            slotserve_silu_mul(gate_up + at * 2 * I, act + at * I, c, I, s->threads);
+            if (linear(act + at * I, L->expert_down[e], L->expert_down_packed[e], NULL, ys + at * H, c, H, I, s))
+                return -1;
+        }
     }
     return slotserve_moe_combine(ys, weights, slot, T, k, H, x);
 }
@@ -169,7 +200,7 @@ int slotserve_decode_layers(const slotserve_layer *layers, long num_layers, cons
         if (linear(attn, L->o, L->o_packed, NULL, o, T, H, q_size, s)) return -1;
         slotserve_rms_norm(o, residual, L->post_norm, normed, T, H, s->eps, threads);
         if (L->experts) {
-            if (mixture(L, normed, x, moe_scratch, gate_up, act, T, H, s)) return -1;
+            if (mixture(L, normed, x, moe_scratch, T, H, s)) return -1;
             continue;
         }
         if (linear(normed, L->gate_up, L->gate_up_packed, NULL, gate_up, T, 2 * I, H, s)) return -1;

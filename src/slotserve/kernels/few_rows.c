@@ -472,6 +472,31 @@ static long take_pair(pair_run *run, int back) {
     return back ? hi - 1 : lo;
 }
 
+/* Room for M rows' split x of K columns (padded rows of digits, zero past M: the tiles read 4 rows at a time), xs
+   pointed into it: each row's digits (4 bytes a value), then its biases, units and sums (10 words a block). NULL
+   without memory; the caller frees it. */
+static int8_t *split_room(long M, long padded, long K, split_x *xs) {
+    const long blocks = K / BLOCK;
+    int8_t *rows = malloc((size_t)(4 * padded * K) + (size_t)(10 * M * blocks) * sizeof(float));
+    if (!rows)
+        return NULL;
+    memset(rows + 4 * M * K, 0, (size_t)(4 * (padded - M) * K));
+    int32_t *biases = (int32_t *)(rows + 4 * padded * K);
+    float *units = (float *)(biases + 6 * M * blocks), *sums = units + M * blocks;
+    for (long m = 0; m < M; m++) {
+#if BYTE_DIGITS
+        xs[m].digits = rows + 4 * m * K;
+#else
+        xs[m].hi = (int16_t *)(rows + 4 * m * K);
+        xs[m].lo = xs[m].hi + K;
+#endif
+        xs[m].bias = biases + 6 * m * blocks;
+        xs[m].unit = units + m * blocks;
+        xs[m].sums = sums + 3 * m * blocks;
+    }
+    return rows;
+}
+
 /* out = x @ w^T + bias for a narrow weight and at most FEW rows, where this beats AMX's fixed work per tile
    of rows (a tile of 16 rows however few are real), and where there is no AMX. One thread's loads alone
    keep too few lines in flight to stream DRAM: fetching each block FEW_AHEAD bytes ahead into L2 measured
@@ -504,30 +529,13 @@ int slotserve_few_rows_gemm(const float *x, const slotserve_packed_weight *w, co
     const long pairs = (N + PAIR - 1) / PAIR, blocks = K / BLOCK;
     const int tiles = TILE_PRODUCTS && w->tile_rows > 0 && M >= w->tile_rows;
     const long padded = tiles ? (M + 3) / 4 * 4 : M; /* the tiles read 4 rows' digits at a time */
-    /* each row's digits (4 bytes a value), then its biases, units and sums (10 words a block) */
-    int8_t *rows = malloc((size_t)(4 * padded * K) + (size_t)(10 * M * blocks) * sizeof(float));
-    if (!rows)
-        return -1;
-    memset(rows + 4 * M * K, 0, (size_t)(4 * (padded - M) * K));
-    int32_t *biases = (int32_t *)(rows + 4 * padded * K);
-    float *units = (float *)(biases + 6 * M * blocks), *sums = units + M * blocks;
     split_x *xs = malloc((size_t)M * sizeof *xs);
-    if (!xs) {
-        free(rows);
+    int8_t *rows = xs ? split_room(M, padded, K, xs) : NULL;
+    if (!rows) {
+        free(xs);
         return -1;
     }
     const int with_sums = w->offsets != NULL;
-    for (long m = 0; m < M; m++) {
-#if BYTE_DIGITS
-        xs[m].digits = rows + 4 * m * K;
-#else
-        xs[m].hi = (int16_t *)(rows + 4 * m * K);
-        xs[m].lo = xs[m].hi + K;
-#endif
-        xs[m].bias = biases + 6 * m * blocks;
-        xs[m].unit = units + m * blocks;
-        xs[m].sums = sums + 3 * m * blocks;
-    }
     pair_run runs[threads];
 #pragma omp parallel num_threads(threads)
     {
@@ -562,4 +570,75 @@ int slotserve_few_rows_gemm(const float *x, const slotserve_packed_weight *w, co
     free(xs);
     free(rows);
     return 0;
+}
+
+/* The index of the last of `count` ascending starts at or below i. */
+static long job_of(const long *starts, long count, long i) {
+    long lo = 0, hi = count - 1;
+    while (lo < hi) {
+        const long mid = (lo + hi + 1) / 2;
+        if (starts[mid] <= i) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* Several few-row products in one parallel region, as slotserve_few_rows_gemm computes each on the vector units
+   (the same bits; no bias, no tiles): a mixture of experts' chosen experts at decode, a few MB of weights each,
+   whose regions (and the stream's restart at each) one per expert cost a 30B-A3B-shaped model 1.08x its batch-1
+   decode here. The jobs' pairs are one run the threads share as in slotserve_few_rows_gemm. Returns 0; -1 without memory; -2 for a packing that is not
+   narrow. */
+int slotserve_few_rows_jobs(const slotserve_few_rows_job *jobs, long count, int threads) {
+    if (count <= 0)
+        return 0;
+    long pair_starts[count], item_starts[count], pairs = 0, items = 0;
+    split_x *xs[count];
+    int8_t *room[count];
+    int failed = 0;
+    for (long j = 0; j < count; j++) {
+        const slotserve_few_rows_job *job = jobs + j;
+        if (!job->w->narrow)
+            return -2;
+        pair_starts[j] = pairs, item_starts[j] = items;
+        if (job->M > 0)
+            pairs += (job->N + PAIR - 1) / PAIR, items += job->M * (job->K / BLOCK);
+        xs[j] = job->M > 0 ? malloc((size_t)job->M * sizeof(split_x)) : NULL;
+        room[j] = xs[j] ? split_room(job->M, job->M, job->K, xs[j]) : NULL;
+        failed |= job->M > 0 && !room[j];
+    }
+    pair_run runs[threads];
+    if (!failed) {
+#pragma omp parallel num_threads(threads)
+        {
+            const int me = omp_get_thread_num(), team = omp_get_num_threads();
+            const unsigned long long lo = pairs * me / team, hi = pairs * (me + 1) / team;
+            runs[me].bounds = lo | hi << 32;
+#pragma omp for schedule(static)
+            for (long i = 0; i < items; i++) { /* its barrier publishes the runs too */
+                const long j = job_of(item_starts, count, i), at = i - item_starts[j], blocks = jobs[j].K / BLOCK;
+                split_block(jobs[j].x + at / blocks * jobs[j].K, jobs[j].K, at % blocks, xs[j][at / blocks],
+                            jobs[j].w->zero, jobs[j].w->offsets != NULL);
+            }
+            for (int other = 0; other < team; other++)
+                for (long g; (g = take_pair(&runs[(me + other) % team], other > 0)) >= 0;) {
+                    const long j = job_of(pair_starts, count, g), p = g - pair_starts[j];
+                    const slotserve_packed_weight *w = jobs[j].w;
+                    const float *bias = NULL;
+                    const long M = jobs[j].M, N = jobs[j].N, K = jobs[j].K;
+                    for (long m0 = 0; m0 < M; m0 += FEW) {
+                        const split_x *x0 = xs[j] + m0;
+                        float *o0 = jobs[j].out + m0 * N;
+                        const int rows = M - m0 < FEW ? (int)(M - m0) : FEW;
+                        switch (((rows - 1) * 2 + w->halves) * 4 + (w->bits == 8 ? 0 : 7 - w->bits)) {
+                            FEW_CASES(1) FEW_CASES(2) FEW_CASES(3) FEW_CASES(4)
+                        }
+                    }
+                }
+        }
+    }
+    for (long j = 0; j < count; j++) {
+        free(room[j]);
+        free(xs[j]);
+    }
+    return failed ? -1 : 0;
 }

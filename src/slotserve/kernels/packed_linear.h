@@ -49,6 +49,14 @@ typedef struct {
     long tile_rows;
 } slotserve_packed_weight;
 
+/* One product of slotserve_few_rows_jobs: out [M][N] = x [M][K] @ w^T. */
+typedef struct {
+    const float *x;
+    const slotserve_packed_weight *w;
+    float *out;
+    long M, N, K;
+} slotserve_few_rows_job;
+
 #define SCALE_GROUP 8 /* blocks under one factor: a GGUF K-quant's super-block of 256 */
 
 /* VW float16 bits at p as floats (exactly). */
