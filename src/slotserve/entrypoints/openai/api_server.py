@@ -18,14 +18,16 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
+from starlette.staticfiles import StaticFiles
 
 from slotserve.config import EngineConfig
 from slotserve.engine import diagnostics
@@ -53,8 +55,11 @@ from slotserve.multimodal.chat import flatten_messages
 
 logger = logging.getLogger("slotserve")
 
-# Routes open without the API key: what load balancers and scrapers poll.
-_OPEN_PATHS = frozenset({"/health", "/metrics"})
+# Routes open without the API key: what load balancers and scrapers poll, and the chat page, which must load
+# before it can ask for the key (it holds no data; its requests carry the key).
+_OPEN_PATHS = frozenset({"/health", "/metrics", "/"})
+_STATIC_DIR = Path(__file__).parent / "static"
+_STATIC_PREFIX = "/static/"
 # Bodies above this are parsed off the event loop.
 _LARGE_BODY = 1 << 16
 
@@ -96,16 +101,17 @@ class _Gate:
                 MutableHeaders(scope=message)["X-Request-Id"] = request_id
             await send(message)
 
-        if self.api_key and scope["path"] not in _OPEN_PATHS:
+        path = scope["path"]
+        if self.api_key and path not in _OPEN_PATHS and not path.startswith(_STATIC_PREFIX):
             # OpenAI's clients send the key as a bearer token, Anthropic's as x-api-key.
             bearer = hmac.compare_digest(headers.get("authorization", "").encode(), f"Bearer {self.api_key}".encode())
             if not bearer and not hmac.compare_digest(headers.get("x-api-key", "").encode(), self.api_key.encode()):
                 error = ServerError(401, "AuthenticationError", "missing or invalid API key")
-                await _error(error, scope["path"])(scope, receive, send_with_id)
+                await _error(error, path)(scope, receive, send_with_id)
                 return
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await _error(self._too_large(), scope["path"])(scope, receive, send_with_id)
+            await _error(self._too_large(), path)(scope, receive, send_with_id)
             return
         received = 0
 
@@ -219,11 +225,22 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     async def embeddings(raw: Request):
         return await run(serving.embeddings, EmbeddingRequest, raw)
 
+    # What the model reads: the chat page offers image upload only where images are taken.
+    prompting = engine.input_processor.image_prompting
+    modalities = ["text", "image"] if prompting is not None and prompting.limit_per_prompt > 0 else ["text"]
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{
             "id": settings.model_name, "object": "model", "created": int(time.time()), "owned_by": "slotserve",
-            "max_model_len": engine.max_model_len}]}
+            "max_model_len": engine.max_model_len, "input_modalities": modalities}]}
+
+    # The built-in chat page (static/): plain files, no build step, talking to /v1/chat/completions.
+    @app.get("/", include_in_schema=False)
+    async def chat_page():
+        return FileResponse(_STATIC_DIR / "index.html")
+
+    app.mount(_STATIC_PREFIX.rstrip("/"), StaticFiles(directory=_STATIC_DIR), name="static")
 
     @app.post("/tokenize")
     async def tokenize(raw: Request):
