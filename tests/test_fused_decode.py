@@ -18,6 +18,7 @@ from slotserve.layers.linear import Linear
 from slotserve.models.fused_decode import FusedDecode
 from slotserve.models.gguf import convert_gguf
 from slotserve.models.loader import load_model
+from slotserve.multimodal.inputs import SeqVision
 from slotserve.quantization.int8 import quantize_int8
 from tests.gguf_fixtures import VOCAB_ROWS, tiny_gguf
 
@@ -242,3 +243,32 @@ def test_a_head_the_kernel_cannot_run_is_applied_after_it(tiny_qwen2):
     assert fused.fused is not None and fused.fused.head is None
     assert torch.equal(a[0].logits, b[0].logits)
     assert a[1].tokens == b[1].tokens == [int(fused.model.compute_logits(fused.fused.x[1:2]).argmax())]
+
+
+@pytest.fixture(scope="module")
+def tiny_vl(tmp_path_factory) -> Path:
+    from tests.test_qwen3_vl import build_tiny_vl
+
+    path = tmp_path_factory.mktemp("tiny-vl")
+    build_tiny_vl(path)
+    return path
+
+
+def test_vision_language_text_decodes_fused_at_its_rope_offset(tiny_vl, monkeypatch):
+    """Qwen3-VL's text tokens after an image: M-RoPE at position + offset on every axis, plain RoPE there; the
+    fused step rotates by it and caches by the position, as the layer path does, to the bit."""
+    fused, layers = _runners(tiny_vl)
+    calls = _count_fused_steps(monkeypatch)
+    prompts, offsets, tables = [[11, 12, 13, 14], [21, 22]], [-2, 5], [[0, 1, 2], [3, 4]]
+    for runner in (fused, layers):  # (the offsets of the prompts' images, which these prompts lack)
+        runner.execute([ScheduledSeq(p, 0, t, vision=SeqVision(None, 0, [])) for p, t in zip(prompts, tables,
+                                                                                              strict=True)])
+    tokens = [[7], [8]]
+    for step in range(4):
+        seqs = [ScheduledSeq(tok, len(p) + step, t, vision=SeqVision(None, o, []))
+                for tok, p, o, t in zip(tokens, prompts, offsets, tables, strict=True)]
+        a, b = fused.execute(seqs), layers.execute(seqs)
+        assert all(torch.equal(x.logits, y.logits) for x, y in zip(a, b, strict=True))
+        tokens = [[int(x.logits[0].argmax())] for x in a]
+    assert len(calls) == 4
+    assert torch.equal(fused.k_cache, layers.k_cache) and torch.equal(fused.v_cache, layers.v_cache)

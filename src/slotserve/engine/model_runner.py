@@ -169,15 +169,13 @@ class ModelRunner:
         self.v_cache = host_memory.zeros(shape, self.dtype, self.device)
         for i, attn in enumerate(layers):
             attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
-        # Decode steps of a dense Qwen model through one native call (models/fused_decode.py), where it runs:
-        # not under tensor parallel, whose collectives sit between the layers.
+        # Decode steps of a Qwen model through one native call (models/fused_decode.py), where it runs: not under
+        # tensor parallel, whose collectives sit between the layers.
         parallel = getattr(model, "parallel", UNSPLIT)
         self.group = parallel.group
         if self.ubatch_pool is not None:
             self.ubatch_pool.rank = self.group.rank
-        # Nor for a vision-language model, whose rotary positions are not the cache's.
-        self._fuses = (self.decode_mode == "paged" and cpu_fp32 and parallel.group.size == 1
-                       and not hasattr(model, "encode_images"))
+        self._fuses = self.decode_mode == "paged" and cpu_fp32 and parallel.group.size == 1
         self.rebind()
 
     def rebind(self) -> None:
@@ -245,10 +243,15 @@ class ModelRunner:
         flushed the caches, so this path has ~none."""
         if self.fused is None or not 0 < len(seqs) <= MAX_TOKENS or any(len(s.token_ids) != 1 for s in seqs):
             return None
+        # A vision-language model's text token: M-RoPE at its position plus its sequence's offset, on every axis.
+        if any(s.vision is not None and (s.vision.positions is not None or s.vision.images) for s in seqs):
+            return None
+        offsets = [s.vision.offset if s.vision else 0 for s in seqs] if any(s.vision for s in seqs) else None
         wants = [s.want for s in seqs]
         wants_logits, wants_pick = Want.LAST in wants or Want.ALL in wants, Want.GREEDY in wants
         step = self.fused([s.token_ids[0] for s in seqs], [s.start_pos for s in seqs],
-                          [s.block_table for s in seqs], self.block_size, logits=wants_logits, argmax=wants_pick)
+                          [s.block_table for s in seqs], self.block_size, logits=wants_logits, argmax=wants_pick,
+                          rope_offsets=offsets)
         logits, picks = step.logits, step.argmax
         if (wants_logits and logits is None) or (wants_pick and picks is None):  # no head bound
             with torch.inference_mode():

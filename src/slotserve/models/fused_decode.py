@@ -136,6 +136,14 @@ def _head(model: nn.Module) -> Linear | None:
                        for t in (head.weight, head.bias)) else None
 
 
+def _decoder(model: nn.Module) -> QwenModel | None:
+    """The model's Qwen decoder: `model.model`, or a vision-language model's `model.model.language_model` (whose
+    text tokens' M-RoPE is plain RoPE at their position: the caller passes those)."""
+    inner = getattr(model, "model", None)
+    inner = getattr(inner, "language_model", inner)
+    return inner if isinstance(inner, QwenModel) else None
+
+
 def _intermediate(layers: nn.ModuleList) -> int | None:
     """The step's MLP width: the dense layers' (None where they differ, or are narrower than an expert, which
     the kernel's scratch for them serves too), else the experts'."""
@@ -155,7 +163,7 @@ class FusedDecode:
 
     def __init__(self, outer: nn.Module, tensors: list[list[torch.Tensor | None]],
                  packed: list[list[PackedWeight | None]], head: Linear | None) -> None:
-        model: QwenModel = outer.model
+        model = _decoder(outer)
         # Held as well as pointed to: the kernel reads raw pointers. A model changed since is bound anew
         # (ModelRunner.rebind); until then the step keeps computing with what it holds.
         self.tensors, self.packed = tensors, packed
@@ -199,11 +207,11 @@ class FusedDecode:
 
     @classmethod
     def bind(cls, model: nn.Module) -> FusedDecode | None:
-        """For a Qwen model (QwenForCausalLM and kin, Qwen3-MoE's: `model.model` a QwenModel) whose layers the
+        """For a Qwen model (QwenForCausalLM and kin, Qwen3-MoE's and Qwen3-VL's: `_decoder`) whose layers the
         kernel can run, with the KV caches attached; None otherwise. Its output head runs in the same call
         where the kernel can run it (`_head`)."""
-        inner = getattr(model, "model", None)
-        if not isinstance(inner, QwenModel) or not inner.layers or not decode_layers.available():
+        inner = _decoder(model)
+        if inner is None or not inner.layers or not decode_layers.available():
             return None
         if not all(_runnable(layer) for layer in inner.layers) or _intermediate(inner.layers) is None or not all(
                 t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous())
@@ -214,12 +222,13 @@ class FusedDecode:
                    _head(model))
 
     def __call__(self, ids: list[int], positions: list[int], tables: list[list[int]], block_size: int,
-                 logits: bool = True, argmax: bool = False) -> FusedStep:
+                 logits: bool = True, argmax: bool = False, rope_offsets: list[int] | None = None) -> FusedStep:
         """A decode step (at most MAX_TOKENS rows): row i is token ids[i] at positions[i] of the sequence whose
         cache blocks are tables[i], its key and value written to that position's cache index (BlockTableError
-        where a table does not hold its position or names a block outside the cache). Where the head is bound,
-        the step's logits where `logits` asks and their argmax where `argmax` does (without logits, computed in
-        a buffer of the fused step's own)."""
+        where a table does not hold its position or names a block outside the cache), rotated as at position
+        positions[i] + rope_offsets[i] (a vision-language model's text after images; default 0). Where the head is
+        bound, the step's logits where `logits` asks and their argmax where `argmax` does (without logits, computed
+        in a buffer of the fused step's own)."""
         tokens = len(ids)
         if not 0 < tokens <= MAX_TOKENS or len(positions) != tokens or len(tables) != tokens:
             raise ValueError(f"fused decode: {tokens} ids, {len(positions)} positions and {len(tables)} tables "
@@ -228,7 +237,8 @@ class FusedDecode:
         indices = [cache_index(t, p, block_size) for t, p in zip(tables, positions, strict=True)]
         width = max(positions) // block_size + 1
         flat = padded_tables(tables, width, self.cache_entries // block_size)
-        longs = array.array("q", itertools.chain(ids, positions, indices, range(tokens)))
+        rotated = positions if rope_offsets is None else [p + o for p, o in zip(positions, rope_offsets, strict=True)]
+        longs = array.array("q", itertools.chain(ids, rotated, indices, range(tokens)))
         ints = array.array("i", itertools.chain((p + 1 for p in positions), flat))
         at, int_at = longs.buffer_info()[0], ints.buffer_info()[0]
         step = self.step
