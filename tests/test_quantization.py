@@ -13,6 +13,7 @@ from slotserve import LLM, SamplingParams
 from slotserve.bench.quality import add_arguments, run_quality
 from slotserve.config import EngineConfig, ModelConfig
 from slotserve.engine.model_runner import ScheduledSeq, Want
+from slotserve.layers.linear import FloatLinear
 from slotserve.models.qwen3_moe import SparseMoeBlock
 from slotserve.quantization.int8 import Int8Linear, quantize_int8
 from tests.helpers import assert_figures
@@ -89,7 +90,7 @@ def test_moe_router_stays_float():
         intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8))
     block = quantize_int8(SparseMoeBlock(cfg))
-    assert type(block.gate) is nn.Linear  # expert choices stay those of float32
+    assert type(block.gate) is FloatLinear  # expert choices stay those of float32
     assert all(isinstance(m, Int8Linear) for e in block.experts.values() for m in (e.gate_up_proj, e.down_proj))
 
 

@@ -135,8 +135,8 @@ class Linear(nn.Linear):
 
 
 class FloatLinear(Linear):
-    """A Linear whose weight is never packed: it keeps float32 (a MoE router, where bfloat16 products would flip
-    near-ties between experts), and its few-row calls take the small GEMM, as the fused decode step's do."""
+    """A Linear whose weight is never packed nor quantized to int8: it keeps float32 (a MoE router, where a small
+    error flips a choice between experts), and its few-row calls take the small GEMM, as the fused decode step's do."""
 
     def pack(self) -> bool:
         return False
