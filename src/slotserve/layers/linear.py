@@ -138,6 +138,8 @@ class FloatLinear(Linear):
     """A Linear whose weight is never packed nor quantized to int8: it keeps float32 (a MoE router, where a small
     error flips a choice between experts), and its few-row calls take the small GEMM, as the fused decode step's do."""
 
+    keeps_float = True  # what quantization/int8.py, below this package, goes by
+
     def pack(self) -> bool:
         return False
 

@@ -26,8 +26,6 @@ import warnings
 import torch
 from torch import nn
 
-from slotserve.layers.linear import FloatLinear
-
 _TINY = torch.finfo(torch.float32).tiny
 
 
@@ -97,7 +95,7 @@ def quantize_int8(model: nn.Module) -> nn.Module:
     if engine not in ("x86", "fbgemm"):
         raise ValueError(f"quantization: int8 needs torch's x86/fbgemm quantized engine, this build uses {engine!r}")
     targets = [(name, module) for name, module in model.named_modules()
-               if isinstance(module, nn.Linear) and not isinstance(module, FloatLinear)]
+               if isinstance(module, nn.Linear) and not getattr(module, "keeps_float", False)]
     for name, linear in targets:
         if linear.weight.device.type != "cpu":
             raise ValueError(f"quantization: int8 runs on CPU only; {name} is on {linear.weight.device}")
