@@ -520,6 +520,19 @@ static int8_t *split_room(long M, long padded, long K, split_x *xs) {
     FEW_CASE(rows, segments, 4, at + 3)
 #define FEW_CASES(rows) FEW_SEGMENTS(rows, 1, (rows - 1) * 8) FEW_SEGMENTS(rows, 2, (rows - 1) * 8 + 4)
 
+/* Pair p of a narrow weight against all M split rows, FEW at a time (out: [M][N]). */
+static void few_pair(const split_x *xs, const slotserve_packed_weight *w, const float *bias, float *out, long M,
+                     long N, long K, long p) {
+    for (long m0 = 0; m0 < M; m0 += FEW) {
+        const split_x *x0 = xs + m0;
+        float *o0 = out + m0 * N;
+        const int rows = M - m0 < FEW ? (int)(M - m0) : FEW;
+        switch (((rows - 1) * 2 + w->halves) * 4 + (w->bits == 8 ? 0 : 7 - w->bits)) {
+            FEW_CASES(1) FEW_CASES(2) FEW_CASES(3) FEW_CASES(4) /* constant counts: registers */
+        }
+    }
+}
+
 int slotserve_few_rows_gemm(const float *x, const slotserve_packed_weight *w, const float *bias, float *out, long M,
                             long N, long K, int threads) {
     if (M <= 0)
@@ -558,14 +571,7 @@ int slotserve_few_rows_gemm(const float *x, const slotserve_packed_weight *w, co
 #endif
         for (int other = 0; other < team; other++) /* its own run first (other = 0), then the others' */
             for (long p; (p = take_pair(&runs[(me + other) % team], other > 0)) >= 0;)
-                for (long m0 = 0; m0 < M; m0 += FEW) {
-                    const split_x *x0 = xs + m0;
-                    float *o0 = out + m0 * N;
-                    const int rows = M - m0 < FEW ? (int)(M - m0) : FEW;
-                    switch (((rows - 1) * 2 + w->halves) * 4 + (w->bits == 8 ? 0 : 7 - w->bits)) {
-                        FEW_CASES(1) FEW_CASES(2) FEW_CASES(3) FEW_CASES(4) /* constant counts: registers */
-                    }
-                }
+                few_pair(xs, w, bias, out, M, N, K, p);
     }
     free(xs);
     free(rows);
@@ -621,18 +627,8 @@ int slotserve_few_rows_jobs(const slotserve_few_rows_job *jobs, long count, int 
             }
             for (int other = 0; other < team; other++)
                 for (long g; (g = take_pair(&runs[(me + other) % team], other > 0)) >= 0;) {
-                    const long j = job_of(pair_starts, count, g), p = g - pair_starts[j];
-                    const slotserve_packed_weight *w = jobs[j].w;
-                    const float *bias = NULL;
-                    const long M = jobs[j].M, N = jobs[j].N, K = jobs[j].K;
-                    for (long m0 = 0; m0 < M; m0 += FEW) {
-                        const split_x *x0 = xs[j] + m0;
-                        float *o0 = jobs[j].out + m0 * N;
-                        const int rows = M - m0 < FEW ? (int)(M - m0) : FEW;
-                        switch (((rows - 1) * 2 + w->halves) * 4 + (w->bits == 8 ? 0 : 7 - w->bits)) {
-                            FEW_CASES(1) FEW_CASES(2) FEW_CASES(3) FEW_CASES(4)
-                        }
-                    }
+                    const long j = job_of(pair_starts, count, g);
+                    few_pair(xs[j], jobs[j].w, NULL, jobs[j].out, jobs[j].M, jobs[j].N, jobs[j].K, g - pair_starts[j]);
                 }
         }
     }
