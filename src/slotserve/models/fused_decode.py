@@ -180,11 +180,11 @@ class FusedDecode:
         hidden, self.cache_entries = model.norm.weight.shape[0], first.attn.k_cache.shape[0]
         intermediate = _intermediate(model.layers)
         heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
-        widest = max(self.experts.values(), key=lambda e: e.mlp.num_experts * e.mlp.top_k, default=None)
+        experts = max((e.mlp.num_experts for e in self.experts.values()), default=0)
+        top_k = max((e.mlp.top_k for e in self.experts.values()), default=0)
         self.cos, self.sin = model.rotary.tables(self.final_norm.device)
-        self.scratch = torch.empty(decode_layers.scratch_floats(
-            MAX_TOKENS, hidden, intermediate, heads, kv_heads, head_dim,
-            *((widest.mlp.num_experts, widest.mlp.top_k) if widest else (0, 0))))
+        self.scratch = torch.empty(decode_layers.scratch_floats(MAX_TOKENS, hidden, intermediate, heads, kv_heads,
+                                                                head_dim, experts, top_k))
         # Each step's final hidden states land in x: valid until the next step.
         self.x, self.residual = torch.empty(MAX_TOKENS, hidden), torch.empty(MAX_TOKENS, hidden)
         self.x_at, self.residual_at = self.x.data_ptr(), self.residual.data_ptr()
