@@ -61,7 +61,7 @@ def test_concurrent_requests_match_offline_and_aborts_free_blocks(tiny_qwen3):
                 await _collect(engine, "bad", "", GREEDY)
         finally:
             await engine.shutdown()
-        assert not engine._process.is_alive()
+        assert not engine.replicas[0].process.is_alive()
 
     asyncio.run(main())
 

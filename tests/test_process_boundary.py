@@ -53,7 +53,7 @@ def test_the_front_end_imports_nothing_of_the_engine_core():
 REQUEST = ProcessedRequest("7", "hi", [1, 2], [EngineCoreRequest(
     "7#0", [1, 2], SamplingParams(max_tokens=3, stop=["x"]), 3,
     images=[ImageInput(0, 1, (2, 2, 2), b"\0" * 16, "abc")])])
-STATS = EngineStats(1, 2, 0.5, 10, 5, 64, 0.25, 3)
+STATS = EngineStats(1, 2, 10, 5, 64, 40, 10, 3)
 
 
 @pytest.mark.parametrize("command", [

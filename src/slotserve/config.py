@@ -347,6 +347,9 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     expert_comm: ExpertCommKind = ExpertCommKind.ALL_TO_ALL
     distributed_executor_backend: ExecutorBackend | None = None  # None: mp when tensor_parallel_size > 1
+    # Replicas of the whole engine behind one server's front end (engine/async_llm.py), the cores split between
+    # them; with the ray backend, placed on the machines of a Ray cluster.
+    data_parallel_size: int = 1
     distributed_timeout: float = 120.0  # seconds any collective or worker reply may take before the engine dies
     # The watchdog (engine/diagnostics.py) reports a core loop that has had work this long without finishing a step.
     stall_timeout: float = 300.0
@@ -406,9 +409,11 @@ class EngineConfig:
                                  f"{', '.join(k.value for k in kind)}") from None
 
     def _check_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
         tp = self.tensor_parallel_size
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise ValueError(f"tensor_parallel_size: must be a positive integer, got {tp!r}")
         if self.distributed_executor_backend is None and tp > 1:
             self.distributed_executor_backend = ExecutorBackend.MP
         if self.enable_expert_parallel and tp == 1:

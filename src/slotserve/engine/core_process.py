@@ -7,7 +7,8 @@
 A stop string found by the output processor finishes its sequence in the core exactly like an
 abort, so its blocks are freed. An exception in any of the three threads ends the process: it
 reports `dead` with the reason and exits with code 1, and the front end fails every in-flight
-request. The process also exits when the front end that started it is gone (it polls its parent).
+request. The process also exits when the front end that started it is gone (it polls its parent), unless it
+runs as a Ray actor, whose end Ray ties to the front end's.
 """
 
 from __future__ import annotations
@@ -58,13 +59,14 @@ logger = logging.getLogger("slotserve")
 _POLL_MS = 200
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str, log_level: str) -> None:
-    """Entry point of the spawned process."""
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str, log_level: str,
+                    watch_parent: bool = True) -> None:
+    """Entry point of the spawned process (or of a Ray actor, `watch_parent` False)."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s engine-core: %(message)s",
                         datefmt="%H:%M:%S")
     # Ctrl-C reaches the whole process group; the front end decides how the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent = os.getppid()
+    parent = os.getppid() if watch_parent else None
     ctx = zmq.Context()
     # The events socket has a context of its own, so a dying process can wait for its last event to leave
     # without waiting for the other threads' sockets.
@@ -105,7 +107,7 @@ ProcessorTask = AddRequest | AbortRequests | RequestFailed | list[EngineCoreOutp
 
 class _CoreServer:
     def __init__(self, ctx: zmq.Context, core: EngineCore, processor: OutputProcessor, input_address: str,
-                 events: zmq.Socket, parent_pid: int, stall_timeout: float) -> None:
+                 events: zmq.Socket, parent_pid: int | None, stall_timeout: float) -> None:
         self.ctx, self.core, self.processor = ctx, core, processor
         self.input_address, self.events, self.parent_pid = input_address, events, parent_pid
         self.to_core: queue.Queue[CoreCommand | StopSequences] = queue.Queue()
@@ -174,7 +176,7 @@ class _CoreServer:
                 if time.monotonic() >= self._next_sample:
                     self._next_sample = time.monotonic() + 1.0
                     self._sample()
-                if os.getppid() != self.parent_pid:
+                if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     logger.error("the front end (pid %d) is gone; the engine core exits", self.parent_pid)
                     return False
                 if (failure := self.core.worker_failure()) is not None:

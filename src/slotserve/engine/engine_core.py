@@ -47,6 +47,9 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, model_path: Path, tokenizer_eos_id: int | None = None) -> None:
         start = time.perf_counter()
+        if config.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size: {config.data_parallel_size} replicas run behind a server's front "
+                             "end (`slotserve serve`); one engine core is one replica")
         self.config = config
         tp = config.tensor_parallel_size
         self.workers: Executor | None = None
@@ -213,12 +216,12 @@ class EngineCore:
         return self.scheduler.num_unfinished > 0
 
     def stats(self) -> EngineStats:
+        pool, prefix = self.kv.pool, self.kv.stats
         return EngineStats(
-            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-            kv_cache_usage=self.kv.pool.usage, num_blocks=self.kv.pool.num_blocks,
-            num_free_blocks=self.kv.pool.num_free, max_model_len=self.max_model_len,
-            prefix_cache_hit_rate=self.kv.stats.hit_rate, num_preemptions=self.scheduler.num_preemptions,
-            speculation=replace(self.speculation),
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), num_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free, max_model_len=self.max_model_len,
+            prefix_cache_queried_tokens=prefix.queried_tokens, prefix_cache_hit_tokens=prefix.hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions, speculation=replace(self.speculation),
         )
 
     # ---- the step -----------------------------------------------------------------------------

@@ -9,7 +9,7 @@ fields can cross (no pickle).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import msgspec
@@ -82,13 +82,34 @@ class SpeculationStats:
 class EngineStats:
     running: int
     waiting: int
-    kv_cache_usage: float
     num_blocks: int
-    num_free_blocks: int
+    num_free_blocks: int  # cached prefixes' blocks included: they are taken back when needed
     max_model_len: int
-    prefix_cache_hit_rate: float
+    prefix_cache_queried_tokens: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hit_tokens: int  # of them, those found
     num_preemptions: int
     speculation: SpeculationStats = field(default_factory=SpeculationStats)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        queried = self.prefix_cache_queried_tokens
+        return self.prefix_cache_hit_tokens / queried if queried else 0.0
+
+    @classmethod
+    def combine(cls, stats: list[EngineStats]) -> EngineStats:
+        """Several replicas' stats as one engine's: counts summed, the context limit the smallest."""
+        def total(name: str) -> int:
+            return sum(getattr(s, name) for s in stats)
+
+        return cls(total("running"), total("waiting"), total("num_blocks"), total("num_free_blocks"),
+                   min(s.max_model_len for s in stats), total("prefix_cache_queried_tokens"),
+                   total("prefix_cache_hit_tokens"), total("num_preemptions"),
+                   SpeculationStats(*(sum(getattr(s.speculation, f.name) for s in stats)
+                                      for f in fields(SpeculationStats))))
 
 
 # ---- front end -> engine core ---------------------------------------------------------------------

@@ -3,14 +3,12 @@
 The workers are those of worker.py, each in an actor of its own, in one placement group (a bundle of CPUs
 per rank, packed onto as few nodes as hold them). They reach the driver at this node's address as Ray
 knows it. Ray's fate-sharing ends the actors when the driver's process is gone, so they watch no parent.
-Where this process has no Ray connected yet, `RAY_ADDRESS` names the cluster to join; without it, Ray joins
-one started on this machine (`ray start`), else starts a local one, shut down with the executor.
+The connection to Ray is engine/ray_cluster.py's.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 
@@ -20,14 +18,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slotserve import envs
 from slotserve.config import EngineConfig
+from slotserve.engine import ray_cluster
 from slotserve.engine.executor import Executor, WorkerError
 from slotserve.engine.worker_process import WorkerSpec, run_worker
 
 logger = logging.getLogger("slotserve")
-
-
-_ray_lock = threading.Lock()
-_ray_users = 0  # live executors on the Ray that this module connected; the last one shuts it down
 
 
 @ray.remote
@@ -46,20 +41,13 @@ class RankActor:
 
 class RayExecutor(Executor):
     def __init__(self, config: EngineConfig, model_path: Path) -> None:
-        global _ray_users
         self.threads = config.threads or 1
         self.actors: dict[int, ray.actor.ActorHandle] = {}
         self.runs: dict[ray.ObjectRef, int] = {}  # each actor's run -> its rank
         self.pg = None
         self._gone: dict[int, str] = {}
         self._lock = threading.Lock()
-        with _ray_lock:
-            if not ray.is_initialized():
-                ray.init(address=os.environ.get("RAY_ADDRESS"))
-                _ray_users = 1
-            elif _ray_users:
-                _ray_users += 1
-            self._on_own_ray = _ray_users > 0  # not on one the caller connected
+        self._on_own_ray = ray_cluster.acquire()  # not on one the caller connected
         try:
             super().__init__(config, model_path)
         except BaseException:
@@ -129,14 +117,9 @@ class RayExecutor(Executor):
             ray.kill(actor, no_restart=True)
 
     def _release_ray(self) -> None:
-        global _ray_users
-        with _ray_lock:
-            if not self._on_own_ray:
-                return
+        if self._on_own_ray:
             self._on_own_ray = False
-            _ray_users -= 1
-            if _ray_users == 0 and ray.is_initialized():
-                ray.shutdown()
+            ray_cluster.release()
 
 
 def _first_line(error: Exception) -> str:

@@ -42,13 +42,17 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_options: bool = True) -> Non
     g = p.add_argument_group("parallel (one model over several ranks)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks to split the model over (heads, MLP width, vocabulary); default 1")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="serve: replicas of the whole engine behind one front end, each on its share of the cores "
+                        "(with --distributed-executor-backend ray, on the machines of a Ray cluster); default 1")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE: split the experts across the ranks instead of splitting each expert")
     g.add_argument("--expert-comm", default="all-to-all", choices=["all-to-all", "all-gather"],
                    help="how expert parallel moves tokens to their experts' ranks (default all-to-all)")
     g.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
-                   help="mp: worker processes on this machine (the default); ray: Ray actors, on any machines "
-                        "of a Ray cluster (RAY_ADDRESS; pip install 'slotserve[ray]')")
+                   help="mp: worker processes on this machine (the default); ray: Ray actors (the ranks, or the "
+                        "data-parallel replicas), on any machines of a Ray cluster (RAY_ADDRESS; pip install "
+                        "'slotserve[ray]')")
     g.add_argument("--distributed-timeout", type=float, default=120.0,
                    help="seconds a collective or a worker may take before the engine gives up (default 120)")
     g.add_argument("--ubatches", type=int, default=1,
@@ -107,6 +111,7 @@ def engine_config(args: argparse.Namespace):
                         quantization=args.quantization, prefill_precision=args.prefill_precision,
                         threads=args.threads, cpu_affinity=args.cpu_affinity,
                         tensor_parallel_size=args.tensor_parallel_size,
+                        data_parallel_size=args.data_parallel_size,
                         enable_expert_parallel=args.enable_expert_parallel, expert_comm=args.expert_comm,
                         distributed_executor_backend=args.distributed_executor_backend,
                         distributed_timeout=args.distributed_timeout, ubatches=args.ubatches,

@@ -282,14 +282,14 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
 
         @app.get("/debug/engine")
         async def debug_engine():
-            """Both processes' threads with their stacks, the engine's queues, scheduler and recent steps."""
+            """Every process's threads with their stacks, the engine's queues, scheduler and recent steps: under
+            "engine" for one engine core, under "replicas" (in order) for several."""
             front_end_threads.sample()
-            try:
-                snapshot = await engine.debug(timeout=5.0)
-            except (EngineDeadError, TimeoutError) as e:
-                snapshot = {"error": f"{type(e).__name__}: {e}"}
-            return {"engine": snapshot, "front_end": {"pid": os.getpid(),
-                                                      "threads": diagnostics.threads(front_end_threads)}}
+            snapshots = await engine.debug(timeout=5.0)
+            front_end = {"pid": os.getpid(), "threads": diagnostics.threads(front_end_threads)}
+            if len(snapshots) == 1:
+                return {"engine": snapshots[0], "front_end": front_end}
+            return {"replicas": snapshots, "front_end": front_end}
 
     @app.get("/health")
     async def health():
@@ -303,10 +303,11 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
 
     @app.get("/metrics")
     async def prometheus():
+        # The snapshots first: the IPC loop answers them even while the core loop, which answers stats, is stuck.
+        front_end_threads.sample()
+        metrics.update_diagnostics(await engine.debug(timeout=2.0), diagnostics.threads(front_end_threads))
+        metrics.replicas_alive.set(engine.replicas_alive)
         with contextlib.suppress(EngineDeadError, TimeoutError):
-            # The snapshot first: the IPC loop answers it even while the core loop, which answers stats, is stuck.
-            front_end_threads.sample()
-            metrics.update_diagnostics(await engine.debug(timeout=2.0), diagnostics.threads(front_end_threads))
             metrics.update_engine(await engine.stats(timeout=2.0))
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 

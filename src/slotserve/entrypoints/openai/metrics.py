@@ -57,6 +57,7 @@ class ServerMetrics:
         self.thread_cpu = Gauge("slotserve:thread_cpu_share", "A thread's CPU share over the last second (1 = a core)",
                                 ["model_name", "process", "thread"], registry=self.registry)
         self.stalled = gauge("engine_stalled", "1 while the watchdog sees the core loop stalled (--stall-timeout)")
+        self.replicas_alive = gauge("engine_replicas_alive", "Engine cores serving (of --data-parallel-size)")
         self.steps = _StepHistograms(model_name)
         self.registry.register(self.steps)
 
@@ -76,16 +77,25 @@ class ServerMetrics:
         self.spec_acceptance.set(spec.acceptance_rate)
         self.spec_length.set(spec.mean_accepted_length)
 
-    def update_diagnostics(self, engine: dict, front_end_threads: list[dict]) -> None:
-        for queue, depth in engine["queues"].items():
+    def update_diagnostics(self, engines: list[dict], front_end_threads: list[dict]) -> None:
+        """From each engine core's snapshot (one per replica; a gone one's is {"error": ...}): queues summed over
+        them, threads by process ("engine", or "engine-<i>" for replica i), the watchdog's stall in any."""
+        live = [(i, e) for i, e in enumerate(engines) if "error" not in e]
+        queues: dict[str, int] = {}
+        for _, engine in live:
+            for queue, depth in engine["queues"].items():
+                queues[queue] = queues.get(queue, 0) + depth
+        for queue, depth in queues.items():
             self.queue_depth.labels(model_name=self.model_name, queue=queue).set(depth)
-        for process, threads in (("engine", engine["threads"]), ("front_end", front_end_threads)):
+        processes = [("engine" if len(engines) == 1 else f"engine-{i}", e["threads"]) for i, e in live]
+        for process, threads in [*processes, ("front_end", front_end_threads)]:
             for t in threads:
                 if t["cpu_share"] is not None:
                     self.thread_cpu.labels(model_name=self.model_name, process=process, thread=t["name"]).set(
                         t["cpu_share"])
-        self.stalled.set(engine["watchdog"]["stalled_since"] is not None)
-        self.steps.latest = engine["step_histograms"]
+        if live:
+            self.stalled.set(any(e["watchdog"]["stalled_since"] is not None for _, e in live))
+            self.steps.latest = _summed_histograms([e["step_histograms"] for _, e in live])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -155,6 +165,17 @@ class _StepHistograms:
         h = self.latest["tokens"]
         tokens.add_metric([self.model_name], _buckets(h), h["sum"])
         yield tokens
+
+
+def _summed_histograms(replicas: list[dict]) -> dict:
+    """The replicas' step histograms as one engine's: their counts and sums added (the bounds are the same)."""
+    def add(hs: list[dict]) -> dict:
+        return {"bounds": hs[0]["bounds"], "counts": [sum(c) for c in zip(*(h["counts"] for h in hs), strict=True)],
+                "count": sum(h["count"] for h in hs), "sum": sum(h["sum"] for h in hs)}
+
+    first = replicas[0]
+    return {"seconds": {phase: add([r["seconds"][phase] for r in replicas]) for phase in first["seconds"]},
+            "tokens": add([r["tokens"] for r in replicas])}
 
 
 def _buckets(h: dict) -> list[tuple[str, int]]:
