@@ -6,8 +6,11 @@ kills a replica of a real `slotserve serve`."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -248,3 +251,15 @@ def test_replicas_on_ray_spread_over_the_nodes_and_answer_as_one_engine(tiny_qwe
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+@pytest.mark.slow  # two servers, one after the other
+def test_the_replicas_bench_runs_both_configurations_and_prints_their_ratio(tiny_qwen3):
+    out = subprocess.run(
+        [sys.executable, "-m", "slotserve.entrypoints.cli", "--log-level", "WARNING", "bench", "replicas", "-m",
+         str(tiny_qwen3), "--rounds", "1", "--num-prompts", "4", "--max-concurrency", "4", "--input-len", "8",
+         "--output-len", "4", "--kv-cache-memory", "16M"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert [(r["replicas"], r["completed"], r["failed"]) for r in result["rounds"]] == [(1, 4, 0), (2, 4, 0)]
+    assert result["ratio"] == result["ratios"][0] > 0

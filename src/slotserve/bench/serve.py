@@ -97,7 +97,8 @@ def _summary(values: list[float], scale: float = 1000.0) -> dict[str, float]:
             "p99": round(p99 * scale, 2)}
 
 
-async def _run(args: argparse.Namespace) -> dict[str, Any]:
+async def run_load(args: argparse.Namespace) -> dict[str, Any]:
+    """The load `args` describe against the server at `args.base_url`, and its figures."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     rng = random.Random(args.seed)
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=None,
@@ -194,4 +195,4 @@ async def _settled(client: httpx.AsyncClient, timeout: float) -> dict[str, Any]:
 
 def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the figures
-    return asyncio.run(_run(args))
+    return asyncio.run(run_load(args))

@@ -14,6 +14,7 @@ _STARTED = time.perf_counter()
 # Torch-free imports, after _STARTED: the start of `bench latency`'s "time to first token".
 from slotserve import envs  # noqa: E402
 from slotserve.bench.quality import add_arguments as quality_args  # noqa: E402
+from slotserve.bench.replicas import add_arguments as replicas_bench_args  # noqa: E402
 from slotserve.bench.serve import add_arguments as serve_bench_args  # noqa: E402
 from slotserve.entrypoints.engine_args import (  # noqa: E402
     add_engine_args,
@@ -208,6 +209,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from slotserve.bench.spec import run_spec
 
         result = run_spec(make_llm(args).engine, args)
+    elif args.bench == "replicas":
+        from slotserve.bench.replicas import run_replicas
+
+        result = run_replicas(args)
     elif args.bench == "serve":
         from slotserve.bench.serve import run_serve_bench
 
@@ -358,6 +363,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
     b = bench.add_parser("serve", help="load a running server: request throughput, TTFT, TPOT, ITL")
     serve_bench_args(b)
+    b.set_defaults(func=cmd_bench)
+    b = bench.add_parser("replicas", help="one server against --data-parallel-size replicas on the same cores, "
+                                          "the same load in alternating rounds; output tokens/s and their ratio")
+    replicas_bench_args(b)
     b.set_defaults(func=cmd_bench)
     b = bench.add_parser("throughput", help="many requests at once vs one at a time; output tokens/s")
     b.add_argument("--num-prompts", type=int, default=32, help="requests in the batched run")
