@@ -182,15 +182,19 @@ class AsyncLLM:
 
     async def _watch_replicas(self) -> None:
         waits = {asyncio.create_task(r.dead.wait()): i for i, r in enumerate(self.replicas)}
-        while waits:
-            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                index = waits.pop(task)
-                self.router.forget(index)
-                if len(self.replicas) > 1:
-                    logger.error("replica %d is gone (%s); %d of %d replicas serve", index,
-                                 self.replicas[index].dead_reason, self.replicas_alive, len(self.replicas))
-        self.dead.set()
+        try:
+            while waits:
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    index = waits.pop(task)
+                    self.router.forget(index)
+                    if len(self.replicas) > 1:
+                        logger.error("replica %d is gone (%s); %d of %d replicas serve", index,
+                                     self.replicas[index].dead_reason, self.replicas_alive, len(self.replicas))
+            self.dead.set()
+        finally:
+            for task in waits:
+                task.cancel()
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stops the engine-core processes (politely, then by force) and closes their sockets."""
