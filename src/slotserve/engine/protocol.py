@@ -21,6 +21,13 @@ from slotserve.sampling_params import SamplingParams
 
 
 @dataclass
+class KVSave:
+    """Write the request's prompt blocks to the KV disk tier before it finishes; `name` keeps them (a manifest)."""
+
+    name: str | None = None
+
+
+@dataclass
 class EngineCoreRequest:
     """One sequence to sample. A user request with n > 1 becomes n of these, each with its own id."""
 
@@ -31,6 +38,7 @@ class EngineCoreRequest:
     arrival_time: float = field(default_factory=time.time)
     pooling: PoolingParams | None = None  # an embedding request: prefill only, one vector out
     images: list[ImageInput] = field(default_factory=list)  # in prompt order, their tokens in place
+    kv_save: KVSave | None = None
 
 
 @dataclass
@@ -45,6 +53,7 @@ class EngineCoreOutput:
     stop_reason: int | None = None  # the stop token id, when one ended it
     num_cached_tokens: int = 0
     embedding: list[float] | None = None  # an embedding request's vector
+    num_saved_tokens: int = 0  # a save: the prompt tokens whose blocks are on disk now
 
 
 @dataclass
@@ -89,6 +98,23 @@ class EngineStats:
     prefix_cache_hit_rate: float
     num_preemptions: int
     speculation: SpeculationStats = field(default_factory=SpeculationStats)
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0  # from either tier
+    prefix_cache_disk_hit_tokens: int = 0  # read back from the KV disk tier (--kv-offload-dir)
+    kv_disk: KVDiskStats | None = None  # None without a disk tier
+
+
+@dataclass
+class KVDiskStats:
+    files: int
+    bytes_used: int
+    max_bytes: int
+    bytes_read: int
+    bytes_written: int
+    corrupt_files: int
+    write_errors: int
+    dropped_writes: int
+    evicted_files: int
 
 
 # ---- front end -> engine core ---------------------------------------------------------------------
@@ -128,6 +154,7 @@ class Ready(msgspec.Struct, tag=True):
     vocab_size: int
     hidden_size: int
     task: str
+    kv_offload_dir: str | None = None  # this model's directory of the KV disk tier, where named saves are listed
 
 
 class Outputs(msgspec.Struct, tag=True):
