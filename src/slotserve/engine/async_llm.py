@@ -32,6 +32,7 @@ from slotserve.engine.protocol import (
     EngineStats,
     GetDebug,
     GetStats,
+    KVSave,
     Outputs,
     Ready,
     RequestFailed,
@@ -189,6 +190,7 @@ class AsyncLLM:
         self.input_processor: InputProcessor | None = None
         self.dead_reason: str | None = None
         self.dead = asyncio.Event()
+        self.kv_offload_dir: str | None = None  # this model's directory of the KV disk tier, once started
 
     @classmethod
     async def create(cls, config: EngineConfig, log_level: str = "INFO", start_timeout: float = 900) -> AsyncLLM:
@@ -220,7 +222,7 @@ class AsyncLLM:
                 self._process.kill()
                 self._cleanup()
                 raise EngineStartError(f"engine core not ready after {timeout:.0f} s")
-        self.max_model_len, self.task = event.max_model_len, event.task
+        self.max_model_len, self.task, self.kv_offload_dir = event.max_model_len, event.task, event.kv_offload_dir
         prompting = ImagePrompting.for_model(self.model_path, self.model_config, self.config.limit_mm_per_prompt,
                                              self.config.image_min_pixels, self.config.image_max_pixels)
         self.input_processor = InputProcessor(self.tokenizer, event.vocab_size, event.max_model_len, event.task,
@@ -241,7 +243,7 @@ class AsyncLLM:
         return sum(len(s.sequence_ids) for s in self._streams.values())
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
-                          images: Sequence[ImageLike] = ()) -> RequestStream:
+                          images: Sequence[ImageLike] = (), kv_save: KVSave | None = None) -> RequestStream:
         """Validates and queues a request (ValueError for bad input, EngineDeadError when the engine is
         gone); iterate the returned stream for its deltas. `request_id` is the caller's name for it:
         it is put on its outputs and may repeat. `images`: a vision-language model's, in placeholder order."""
@@ -249,7 +251,7 @@ class AsyncLLM:
             raise EngineDeadError(self.dead_reason)
         key = str(next(self._keys))
         # Tokenizing a long prompt, or decoding and resizing images, takes seconds: not on the event loop.
-        processed = await asyncio.to_thread(self.input_processor.process, key, prompt, params, images)
+        processed = await asyncio.to_thread(self.input_processor.process, key, prompt, params, images, kv_save)
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
         stream = _Stream(request_id, processed.prompt, processed.prompt_token_ids,

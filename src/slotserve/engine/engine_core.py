@@ -324,7 +324,8 @@ class EngineCore:
         (its blocks stay referenced till then, so the writer reads them in place)."""
         seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq.prompt_token_ids))
         block_ids, writes = self.kv.save_job_blocks(seq)
-        job = WriteJob(writes, name=seq.kv_save.name, num_tokens=len(writes) * self.config.block_size)
+        job = WriteJob(writes, name=seq.kv_save.name, token_ids=list(seq.prompt_token_ids),
+                       block_size=self.config.block_size)
         self.saves.add(PendingSave(block_ids, output, job))
         self.disk.submit(job)
 

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from slotserve import faults
+from slotserve.faults import FaultPoint
 from slotserve.kv_cache import block_file
 from slotserve.kv_cache.block_file import BlockFileError
 
@@ -62,7 +64,8 @@ class WriteJob:
     blocks: list[BlockWrite]
     done: Callable[[WriteJob], None] | None = None  # called on the writer thread once every block is stored
     name: str | None = None  # a named save: its manifest is written after its blocks
-    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # a named save's prompt, for a restore to run again
+    block_size: int = 0
     written: int = 0  # blocks stored (now or before)
     failed: int = 0
     queued_at: float = field(default_factory=time.monotonic)
@@ -178,10 +181,10 @@ class DiskTier:
                 if job.done is not None:
                     job.done(job)
         except Exception as e:  # a bug, not the disk: the engine must end, not wedge behind a dead writer
+            logger.exception("KV offload: the writer failed")
             self.error = e
             if self._on_error is not None:
                 self._on_error(e)
-            raise
 
     def _store(self, write: BlockWrite, pinned: bool) -> bool:
         with self._lock:
@@ -193,6 +196,10 @@ class DiskTier:
             self.stats.dropped_writes += 1
             return False
         path = self.dir / block_file.file_name(write.block_hash)
+        faults.check(FaultPoint.KV_WRITE)
+        if faults.fires(FaultPoint.KV_WRITE_STALL):
+            path.with_name(f"{path.name}.{os.getpid()}{block_file.TMP_SUFFIX}").write_bytes(data[:len(data) // 2])
+            time.sleep(faults.STALL_SECONDS)
         try:
             block_file.write_atomic(path, data)
         except OSError as e:
@@ -244,7 +251,8 @@ class DiskTier:
     def _write_manifest(self, job: WriteJob) -> None:
         previous = self.manifest(job.name)
         hashes = [f"{w.block_hash:032x}" for w in job.blocks]
-        manifest = {"name": job.name, "num_tokens": job.num_tokens, "hashes": hashes, "created": time.time()}
+        manifest = {"name": job.name, "num_tokens": len(job.token_ids), "block_size": job.block_size,
+                    "hashes": hashes, "token_ids": job.token_ids, "created": time.time()}
         block_file.write_atomic(self._manifest_path(job.name), json.dumps(manifest).encode())
         self._pin(hashes, 1)
         if previous is not None:
