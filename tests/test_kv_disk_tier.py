@@ -139,6 +139,6 @@ def test_a_failed_write_is_counted_and_leaves_no_file(tmp_path):
 
 @pytest.mark.parametrize("bad", ["", ".hidden", "a/b", "../up", "x" * 129, "sp ace"])
 def test_save_names_are_plain_file_names(bad):
-    with pytest.raises(ValueError, match="^name:"):
+    with pytest.raises(ValueError, match=r"^name:"):
         check_name(bad)
     assert check_name("system-prompt_v1.2") == "system-prompt_v1.2"

@@ -162,6 +162,11 @@ class DiskTier:
         """Queues a save (its blocks stay referenced until `job.done` releases them)."""
         self._queue.put(job)
 
+    def flush(self) -> None:
+        """Returns once everything queued so far is written (or dropped)."""
+        if self.error is None:
+            self._queue.join()
+
     def close(self, timeout: float = 30.0) -> None:
         """Writes what is queued, then stops the writer."""
         if self._writer.is_alive():
@@ -171,20 +176,24 @@ class DiskTier:
     def _write_loop(self) -> None:
         try:
             while (job := self._queue.get()) is not None:
-                for write in job.blocks:
-                    if self._store(write, pinned=job.name is not None):
-                        job.written += 1
-                    else:
-                        job.failed += 1
-                if job.name is not None and not job.failed:
-                    self._write_manifest(job)
-                if job.done is not None:
-                    job.done(job)
+                self._run(job)
+                self._queue.task_done()
         except Exception as e:  # a bug, not the disk: the engine must end, not wedge behind a dead writer
             logger.exception("KV offload: the writer failed")
             self.error = e
             if self._on_error is not None:
                 self._on_error(e)
+
+    def _run(self, job: WriteJob) -> None:
+        for write in job.blocks:
+            if self._store(write, pinned=job.name is not None):
+                job.written += 1
+            else:
+                job.failed += 1
+        if job.name is not None and not job.failed:
+            self._write_manifest(job)
+        if job.done is not None:
+            job.done(job)
 
     def _store(self, write: BlockWrite, pinned: bool) -> bool:
         with self._lock:
