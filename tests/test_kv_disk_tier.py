@@ -104,6 +104,21 @@ def test_the_budget_removes_the_least_recently_used_but_never_a_named_save(tmp_p
     again.close()
 
 
+def test_a_named_save_past_the_budget_keeps_its_first_blocks_and_no_name(tmp_path):
+    size = len(block_file.encode(KEY, 0, TOKENS, _payload(0)))
+    tier = DiskTier(tmp_path, KEY, 2 * size)
+    done = threading.Event()
+    job = WriteJob([BlockWrite(2000 + i, TOKENS, lambda i=i: _payload(i)) for i in range(3)],
+                   done=lambda _: done.set(), name="big", token_ids=list(TOKENS), block_size=16)
+    tier.submit(job)
+    assert done.wait(10)
+    assert (job.written, job.leading, job.failed) == (2, 2, 1)
+    assert tier.contains(2000) and tier.contains(2001) and tier.manifest("big") is None
+    _write(tier, 9)  # not pinned any more: the budget may take them again
+    assert tier.contains(1009) and tier.num_files == 2
+    tier.close()
+
+
 def test_a_full_queue_drops_evictions_instead_of_waiting(tmp_path):
     tier = DiskTier(tmp_path, KEY, 1 << 30, queue_blocks=2)
     gate = threading.Event()

@@ -336,7 +336,7 @@ class EngineCore:
         outputs = []
         for save in self.saves.done():
             self.kv.release(save.block_ids)
-            save.output.num_saved_tokens = save.job.written * self.config.block_size
+            save.output.num_saved_tokens = save.job.leading * self.config.block_size
             outputs.append(save.output)
         return outputs
 

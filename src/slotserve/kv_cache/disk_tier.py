@@ -10,6 +10,7 @@ read is removed and counts as a miss.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -67,6 +68,7 @@ class WriteJob:
     token_ids: list[int] = field(default_factory=list)  # a named save's prompt, for a restore to run again
     block_size: int = 0
     written: int = 0  # blocks stored (now or before)
+    leading: int = 0  # of those, the ones before the first that failed: the prefix a later request can read
     failed: int = 0
     queued_at: float = field(default_factory=time.monotonic)
 
@@ -127,7 +129,9 @@ class DiskTier:
         path = self.dir / block_file.file_name(block_hash)
         try:
             data = path.read_bytes()
-        except FileNotFoundError:
+        except OSError as e:  # removed by the budget meanwhile, or unreadable: a miss either way
+            if not isinstance(e, FileNotFoundError):
+                logger.warning("KV offload: reading %s failed: %s", path.name, e)
             self._forget(block_hash)
             return None
         try:
@@ -142,7 +146,8 @@ class DiskTier:
         with self._lock:
             if block_hash in self._index:
                 self._index.move_to_end(block_hash)
-        os.utime(path)  # the access order survives a restart
+        with contextlib.suppress(OSError):  # removed meanwhile: the payload read is whole all the same
+            os.utime(path)  # the access order survives a restart
         self.stats.hit_blocks += 1
         self.stats.bytes_read += len(data)
         return stored.payload
@@ -185,13 +190,24 @@ class DiskTier:
                 self._on_error(e)
 
     def _run(self, job: WriteJob) -> None:
+        hashes = [f"{w.block_hash:032x}" for w in job.blocks]
+        if job.name is not None:  # from the start: the budget must not evict its own first blocks for its last
+            self._pin(hashes, 1)
         for write in job.blocks:
             if self._store(write, pinned=job.name is not None):
                 job.written += 1
+                job.leading += not job.failed
             else:
                 job.failed += 1
         if job.name is not None and not job.failed:
-            self._write_manifest(job)
+            try:
+                self._write_manifest(job)
+            except OSError as e:  # its blocks are stored, as unnamed ones; the save reports none
+                logger.warning("KV offload: writing the manifest of %r failed: %s", job.name, e)
+                self.stats.write_errors += 1
+                job.failed += 1
+        if job.name is not None and job.failed:
+            self._pin(hashes, -1)
         if job.done is not None:
             job.done(job)
 
@@ -258,12 +274,12 @@ class DiskTier:
                     self._pinned.pop(h, None)
 
     def _write_manifest(self, job: WriteJob) -> None:
+        """The save's name, after its blocks (pinned already); the blocks of the save it replaces are unpinned."""
         previous = self.manifest(job.name)
         hashes = [f"{w.block_hash:032x}" for w in job.blocks]
         manifest = {"name": job.name, "num_tokens": len(job.token_ids), "block_size": job.block_size,
                     "hashes": hashes, "token_ids": job.token_ids, "created": time.time()}
         block_file.write_atomic(self._manifest_path(job.name), json.dumps(manifest).encode())
-        self._pin(hashes, 1)
         if previous is not None:
             self._pin(previous["hashes"], -1)
 
@@ -297,7 +313,8 @@ class DiskTier:
     def snapshot(self) -> dict:
         s = self.stats
         return {"dir": str(self.dir), "files": self.num_files, "bytes_used": self.bytes_used,
-                "max_bytes": self.max_bytes, "queued_writes": self._queue.qsize(), "names": len(self.manifests()),
+                "max_bytes": self.max_bytes, "queued_writes": self._queue.qsize(),
+                "names": sum(1 for _ in self.names_dir.glob("*.json")),
                 "hit_blocks": s.hit_blocks, "bytes_read": s.bytes_read, "bytes_written": s.bytes_written,
                 "files_written": s.files_written, "corrupt_files": s.corrupt_files, "write_errors": s.write_errors,
                 "dropped_writes": s.dropped_writes, "evicted_files": s.evicted_files}

@@ -82,8 +82,8 @@ def register(app: FastAPI, engine: AsyncLLM, slots: SlotTable, read, admit, rend
             total += path.stat().st_size if path.exists() else 0
         return total
 
-    async def save(tokens: list[int] | str, name: str | None) -> tuple[int, int, int]:
-        """Runs a save to its end: (prompt tokens, tokens saved, bytes stored)."""
+    async def save(tokens: list[int] | str, name: str | None) -> tuple[int, int, int | None]:
+        """Runs a save to its end: (prompt tokens, tokens saved, bytes its files take: named saves only)."""
         disk_dir()
         stream = await engine.add_request(f"save-{time.monotonic_ns()}", tokens,
                                           SamplingParams(temperature=0, max_tokens=1), kv_save=KVSave(name))
@@ -93,8 +93,14 @@ def register(app: FastAPI, engine: AsyncLLM, slots: SlotTable, read, admit, rend
                 saved = max(saved, out.num_saved_tokens)
         finally:
             await stream.aclose()
-        written = stored_bytes(manifest(name)["hashes"]) if name is not None and saved else 0
-        return len(stream.prompt_token_ids), saved, written
+        if name is None:
+            return len(stream.prompt_token_ids), saved, None
+        try:
+            written = json.loads((disk_dir() / "names" / f"{name}.json").read_text())["hashes"]
+        except (OSError, ValueError):  # a block or the manifest could not be written (the log says why)
+            raise ServerError(507, "InsufficientStorageError", f"name: the save {name!r} could not be stored "
+                              f"whole ({saved} tokens were); see --kv-offload-bytes and the disk", "name") from None
+        return len(stream.prompt_token_ids), saved, stored_bytes(written)
 
     @app.post("/v1/cache/save")
     async def cache_save(raw: Request):
