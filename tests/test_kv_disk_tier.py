@@ -8,9 +8,10 @@ import threading
 
 import pytest
 
+from slotserve.engine.protocol import check_save_name
 from slotserve.kv_cache import block_file
 from slotserve.kv_cache.block_file import BlockFileError
-from slotserve.kv_cache.disk_tier import BlockWrite, DiskTier, WriteJob, check_name
+from slotserve.kv_cache.disk_tier import BlockWrite, DiskTier, WriteJob
 
 KEY = bytes(range(16))
 TOKENS = tuple(range(16))
@@ -155,5 +156,5 @@ def test_a_failed_write_is_counted_and_leaves_no_file(tmp_path):
 @pytest.mark.parametrize("bad", ["", ".hidden", "a/b", "../up", "x" * 129, "sp ace"])
 def test_save_names_are_plain_file_names(bad):
     with pytest.raises(ValueError, match=r"^name:"):
-        check_name(bad)
-    assert check_name("system-prompt_v1.2") == "system-prompt_v1.2"
+        check_save_name(bad)
+    assert check_save_name("system-prompt_v1.2") == "system-prompt_v1.2"

@@ -8,6 +8,7 @@ fields can cross (no pickle).
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,21 @@ class KVSave:
     """Write the request's prompt blocks to the KV disk tier before it finishes; `name` keeps them (a manifest)."""
 
     name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.name is not None:
+            check_save_name(self.name)
+
+
+_SAVE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+
+
+def check_save_name(name: str) -> str:
+    """A save's name, which is a file name in the disk tier: letters, digits, '.', '_' and '-' (ValueError naming
+    the field)."""
+    if not isinstance(name, str) or not _SAVE_NAME.fullmatch(name):
+        raise ValueError(f"name: {name!r} must be 1-128 letters, digits, '.', '_' or '-', not starting with '.'")
+    return name
 
 
 @dataclass

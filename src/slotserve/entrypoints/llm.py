@@ -14,7 +14,6 @@ from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.protocol import KVSave
 from slotserve.entrypoints.openai.chat_output import check_tools, tool_grammar
 from slotserve.entrypoints.openai.tool_calls import messages_for_template, parse_tool_calls
-from slotserve.kv_cache.disk_tier import check_name
 from slotserve.model_store import DEFAULT_MODEL
 from slotserve.multimodal.chat import flatten_messages
 from slotserve.multimodal.prompts import ImageLike
@@ -69,8 +68,6 @@ class LLM:
         """Computes the prompt's KV (reusing what is cached) and writes its full blocks to the disk tier
         (`kv_offload_dir`); returns once they are on disk, `num_saved_tokens` saying how many tokens they hold.
         A `name` keeps them from the directory's eviction until another save of that name replaces them."""
-        if name is not None:
-            check_name(name)
         request_id = f"offline-{next(self._ids)}"
         text, images = _with_images(prompt)
         self.engine.add_request(request_id, text, SamplingParams(temperature=0, max_tokens=1), images, KVSave(name))

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import queue
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -31,16 +30,6 @@ from slotserve.kv_cache.block_file import BlockFileError
 logger = logging.getLogger("slotserve")
 
 _NAMES = "names"
-_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
-
-
-def check_name(name: str) -> str:
-    """A save's name as a file name: letters, digits, '.', '_' and '-' (ValueError naming the field)."""
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ValueError(f"name: {name!r} must be 1-128 letters, digits, '.', '_' or '-', not starting with '.'")
-    return name
-
-
 @dataclass
 class DiskTierStats:
     hit_blocks: int = 0  # blocks read back into the memory tier
@@ -277,8 +266,10 @@ class DiskTier:
         """The save's name, after its blocks (pinned already); the blocks of the save it replaces are unpinned."""
         previous = self.manifest(job.name)
         hashes = [f"{w.block_hash:032x}" for w in job.blocks]
+        with self._lock:
+            size = sum(self._index.get(w.block_hash, 0) for w in job.blocks)
         manifest = {"name": job.name, "num_tokens": len(job.token_ids), "block_size": job.block_size,
-                    "hashes": hashes, "token_ids": job.token_ids, "created": time.time()}
+                    "hashes": hashes, "bytes": size, "token_ids": job.token_ids, "created": time.time()}
         block_file.write_atomic(self._manifest_path(job.name), json.dumps(manifest).encode())
         if previous is not None:
             self._pin(previous["hashes"], -1)

@@ -19,10 +19,8 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict
 
 from slotserve.engine.async_llm import AsyncLLM
-from slotserve.engine.protocol import KVSave
+from slotserve.engine.protocol import KVSave, check_save_name
 from slotserve.entrypoints.openai.errors import ServerError, bad_request
-from slotserve.kv_cache import block_file
-from slotserve.kv_cache.disk_tier import check_name
 from slotserve.sampling_params import SamplingParams
 
 
@@ -75,13 +73,6 @@ def register(app: FastAPI, engine: AsyncLLM, slots: SlotTable, read, admit, rend
         except FileNotFoundError:
             raise ServerError(404, "NotFoundError", f"filename: no save named {name!r}", "filename") from None
 
-    def stored_bytes(hashes: list[str]) -> int:
-        total = 0
-        for h in hashes:
-            path = disk_dir() / f"{h}{block_file.SUFFIX}"
-            total += path.stat().st_size if path.exists() else 0
-        return total
-
     async def save(tokens: list[int] | str, name: str | None) -> tuple[int, int, int | None]:
         """Runs a save to its end: (prompt tokens, tokens saved, bytes its files take: named saves only)."""
         disk_dir()
@@ -96,11 +87,11 @@ def register(app: FastAPI, engine: AsyncLLM, slots: SlotTable, read, admit, rend
         if name is None:
             return len(stream.prompt_token_ids), saved, None
         try:
-            written = json.loads((disk_dir() / "names" / f"{name}.json").read_text())["hashes"]
-        except (OSError, ValueError):  # a block or the manifest could not be written (the log says why)
+            written = json.loads((disk_dir() / "names" / f"{name}.json").read_text())["bytes"]
+        except (OSError, ValueError, KeyError):  # a block or the manifest could not be written (the log says why)
             raise ServerError(507, "InsufficientStorageError", f"name: the save {name!r} could not be stored "
                               f"whole ({saved} tokens were); see --kv-offload-bytes and the disk", "name") from None
-        return len(stream.prompt_token_ids), saved, stored_bytes(written)
+        return len(stream.prompt_token_ids), saved, written
 
     @app.post("/v1/cache/save")
     async def cache_save(raw: Request):
@@ -109,7 +100,7 @@ def register(app: FastAPI, engine: AsyncLLM, slots: SlotTable, read, admit, rend
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("prompt: give a prompt or messages, not both", "prompt")
         if body.name is not None:
-            check_name(body.name)
+            check_save_name(body.name)
         prompt = body.prompt if body.messages is None else render_chat(
             body.messages, body.add_generation_prompt, body.chat_template_kwargs or {})
         start = time.perf_counter()
@@ -167,12 +158,12 @@ def register(app: FastAPI, engine: AsyncLLM, slots: SlotTable, read, admit, rend
             await stream.aclose()
         slots.tokens[id_slot] = list(m["token_ids"])
         return {"id_slot": id_slot, "filename": body.filename, "n_restored": cached,
-                "n_read": stored_bytes(m["hashes"][:cached // max(m["block_size"], 1)]),
+                "n_read": m["bytes"] * min(cached // m["block_size"], len(m["hashes"])) // max(len(m["hashes"]), 1),
                 "timings": {"restore_ms": round((time.perf_counter() - start) * 1000, 3)}}
 
 
 def check_filename(name: str) -> None:
     try:
-        check_name(name)
+        check_save_name(name)
     except ValueError as e:
         raise bad_request(str(e).replace("name:", "filename:", 1), "filename") from None
