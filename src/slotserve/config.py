@@ -367,6 +367,32 @@ class EngineConfig:
     image_max_pixels: int | None = None
     # Speculative decoding (SpeculativeConfig, or its dict or JSON text); None: off.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    # The prefix cache's disk tier (docs/kv_offload.md): evicted and saved blocks as files in this directory,
+    # at most kv_offload_bytes of them. None: off.
+    kv_offload_dir: str | None = None
+    kv_offload_bytes: int = 8 << 30
+
+    def _check_kv_offload(self) -> None:
+        if not isinstance(self.kv_offload_bytes, int) or isinstance(self.kv_offload_bytes, bool) \
+                or self.kv_offload_bytes < 1:
+            raise ValueError(f"kv_offload_bytes: must be a positive number of bytes, got {self.kv_offload_bytes!r}")
+        if self.kv_offload_dir is None:
+            return
+        if not isinstance(self.kv_offload_dir, str | os.PathLike) or not str(self.kv_offload_dir):
+            raise ValueError(f"kv_offload_dir: must be a directory path, got {self.kv_offload_dir!r}")
+        self.kv_offload_dir = str(self.kv_offload_dir)
+        if Path(self.kv_offload_dir).exists() and not Path(self.kv_offload_dir).is_dir():
+            raise ValueError(f"kv_offload_dir: {self.kv_offload_dir} exists and is not a directory")
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_offload_dir: the disk tier extends the prefix cache; it needs prefix caching on")
+        if self.data_parallel_size != 1:
+            raise ValueError("kv_offload_dir: not supported with data_parallel_size > 1 (each replica would evict "
+                             "the others' files from one directory); use one replica")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("kv_offload_dir: not supported with tensor_parallel_size > 1 (each rank holds part of "
+                             "every block); use one rank")
+        if self.speculative_config is not None and self.speculative_config.method is SpeculativeMethod.DRAFT_MODEL:
+            raise ValueError("kv_offload_dir: not supported with a draft model (its cache shares the blocks)")
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -409,6 +435,7 @@ class EngineConfig:
                                  f"{', '.join(k.value for k in kind)}") from None
 
     def _check_parallel(self) -> None:
+        self._check_kv_offload()
         for name in ("tensor_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

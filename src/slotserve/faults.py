@@ -24,6 +24,10 @@ class FaultPoint(enum.Enum):
     UBATCH_RAISE = "ubatch-raise"  # a micro-batch, at each collective it waits on: it raises, the collective in flight
     UBATCH_STALL = "ubatch-stall"  # a micro-batch thread, before the barrier: it never arrives (until the step fails)
     CORE_STALL = "core-stall"  # EngineCoreLoop, before each engine step: it sleeps STALL_SECONDS (a stuck step)
+    KV_WRITE = "kv-write"  # the KV disk writer, before each block it stores: it raises
+    # The KV disk writer, before each block it stores: it writes half the block's temporary file and sleeps
+    # STALL_SECONDS, so a test can kill the process in the middle of a write.
+    KV_WRITE_STALL = "kv-write-stall"
 
 
 class InjectedFault(RuntimeError):

@@ -53,6 +53,7 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    num_saved_tokens: int = 0  # a KV save request: prompt tokens whose blocks it wrote to disk
 
 
 @dataclass

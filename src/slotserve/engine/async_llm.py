@@ -31,7 +31,7 @@ from slotserve.engine.core_client import (
     ipc_addresses,
 )
 from slotserve.engine.input_processor import InputProcessor
-from slotserve.engine.protocol import EngineStats
+from slotserve.engine.protocol import EngineStats, KVSave
 from slotserve.engine.router import Router
 from slotserve.model_store import resolve_model
 from slotserve.multimodal.prompts import ImageLike, ImagePrompting
@@ -57,6 +57,7 @@ class AsyncLLM:
         self._watch: asyncio.Task | None = None
         self.input_processor: InputProcessor | None = None
         self.dead = asyncio.Event()  # set once no replica is left
+        self.kv_offload_dir: str | None = None  # this model's directory of the KV disk tier, once started
 
     @classmethod
     async def create(cls, config: EngineConfig, log_level: str = "INFO", start_timeout: float = 900) -> AsyncLLM:
@@ -92,6 +93,7 @@ class AsyncLLM:
             raise failed[0]
         ready = started[0]
         self.max_model_len, self.task = min(r.max_model_len for r in started), ready.task
+        self.kv_offload_dir = ready.kv_offload_dir
         prompting = ImagePrompting.for_model(self.model_path, self.model_config, self.config.limit_mm_per_prompt,
                                              self.config.image_min_pixels, self.config.image_max_pixels)
         self.input_processor = InputProcessor(self.tokenizer, ready.vocab_size, self.max_model_len, ready.task,
@@ -121,15 +123,16 @@ class AsyncLLM:
         return sum(r.num_sequences_in_flight for r in self.replicas)
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
-                          images: Sequence[ImageLike] = ()) -> RequestStream:
+                          images: Sequence[ImageLike] = (), kv_save: KVSave | None = None) -> RequestStream:
         """Validates and queues a request (ValueError for bad input, EngineDeadError when no engine core is
         left); iterate the returned stream for its deltas. `request_id` is the caller's name for it: it is put
-        on its outputs and may repeat. `images`: a vision-language model's, in placeholder order."""
+        on its outputs and may repeat. `images`: a vision-language model's, in placeholder order. `kv_save`: write
+        its prompt's blocks to the KV disk tier."""
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
         key = str(next(self._keys))
         # Tokenizing a long prompt, or decoding and resizing images, takes seconds: not on the event loop.
-        processed = await asyncio.to_thread(self.input_processor.process, key, prompt, params, images)
+        processed = await asyncio.to_thread(self.input_processor.process, key, prompt, params, images, kv_save)
         while True:
             loads = [None if r.is_dead else r.num_sequences_in_flight for r in self.replicas]
             if all(load is None for load in loads):

@@ -85,7 +85,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         return
     server = _CoreServer(ctx, core, OutputProcessor(tokenizer, delta=True), input_address, events, parent,
                          config.stall_timeout)
-    events.send(encode(Ready(core.max_model_len, core.vocab_size, core.model_config.hidden_size, core.task)))
+    events.send(encode(Ready(core.max_model_len, core.vocab_size, core.model_config.hidden_size, core.task,
+                             str(core.disk.dir) if core.disk is not None else None)))
     clean = server.run()
     core.shutdown(kill=not clean)  # the model's other ranks, where it has any
     events_ctx.term()  # sends what is queued, up to the socket's linger
@@ -118,6 +119,7 @@ class _CoreServer:
         self.threads = ThreadSampler()  # each thread's CPU share, sampled by the IPC loop once a second
         self.watchdog = Watchdog(stall_timeout)
         self._next_sample = 0.0
+        core.on_thread_death = self._die
 
     def run(self) -> bool:
         """Serves until shutdown (True), or until a thread dies or the front end is gone (False)."""
@@ -150,9 +152,9 @@ class _CoreServer:
 
         return threading.Thread(target=guarded, name=name, daemon=True)
 
-    def _die(self, thread: str, e: Exception) -> None:
+    def _die(self, thread: str, e: BaseException) -> None:
         """Any thread's exception ends the engine: the IPC loop sees `fatal`, reports it and exits."""
-        logger.error("%s died: %s\n%s", thread, e, traceback.format_exc())
+        logger.error("%s died: %s\n%s", thread, e, "".join(traceback.format_exception(e)))
         with self._fatal_lock:
             if self.fatal is None:
                 self.fatal = f"{thread} died: {type(e).__name__}: {e}"
@@ -221,6 +223,12 @@ class _CoreServer:
             "scheduler": {"running": len(core.scheduler.running), "waiting": len(core.scheduler.waiting),
                           "preemptions": core.scheduler.num_preemptions, "kv_blocks": kv.pool.num_blocks,
                           "kv_blocks_free": kv.pool.num_free, "kv_blocks_cached": kv.pool.num_cached},
+            "prefix_cache": {"queried_tokens": kv.stats.queried_tokens, "hit_tokens": kv.stats.hit_tokens,
+                             "memory_hit_tokens": kv.stats.hit_tokens - kv.stats.disk_hit_tokens,
+                             "disk_hit_tokens": kv.stats.disk_hit_tokens,
+                             "tiers": ["memory"] + (["disk"] if kv.disk is not None else []),
+                             "disk": kv.disk.snapshot() if kv.disk is not None else None,
+                             "saves_in_flight": len(core.saves.pending)},
             "speculative": None if core.config.speculative_config is None else {
                 "method": core.config.speculative_config.method.value,
                 "num_speculative_tokens": core.config.speculative_config.num_speculative_tokens,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,8 +18,15 @@ import torch
 from slotserve.config import EngineConfig, ModelConfig, SpeculativeMethod
 from slotserve.engine.diagnostics import StepLog, StepRecord
 from slotserve.engine.executor import Executor, start_executor
+from slotserve.engine.kv_offload import KVBlockIO, PendingSave, SaveTracker, model_key
 from slotserve.engine.model_runner import ModelRunner, ScheduledSeq, SeqResult, Want
-from slotserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, EngineStats, SpeculationStats
+from slotserve.engine.protocol import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineStats,
+    KVDiskStats,
+    SpeculationStats,
+)
 from slotserve.engine.scheduler import Scheduler, Stop
 from slotserve.engine.sequence import Sequence
 from slotserve.engine.speculative import (
@@ -30,6 +38,7 @@ from slotserve.engine.speculative import (
 )
 from slotserve.engine.worker import Rank, Worker
 from slotserve.engine.worker_process import ReportKind
+from slotserve.kv_cache.disk_tier import DiskTier, WriteJob
 from slotserve.kv_cache.manager import KVCacheManager
 from slotserve.layers.sampler import Sampled, SamplingState, prompt_logprobs
 from slotserve.models.pooling import PoolingConfig, load_pooling_config, resolve_task
@@ -39,6 +48,7 @@ from slotserve.structured_outputs import Grammar, GrammarCompiler
 logger = logging.getLogger("slotserve")
 
 _CPU_KV_CACHE_BYTES = 1 << 30
+_IDLE_WAIT_S = 0.05  # a step with nothing to run but saves being written waits this long for one to finish
 
 
 class EngineCore:
@@ -54,6 +64,10 @@ class EngineCore:
         tp = config.tensor_parallel_size
         self.workers: Executor | None = None
         self.worker: Worker | None = None
+        self.disk: DiskTier | None = None
+        self.saves = SaveTracker()
+        # Told when a thread of the engine's own dies (the disk writer); the engine-core process ends the engine.
+        self.on_thread_death: Callable[[str, BaseException], None] | None = None
         if tp > 1:
             check_split(ModelConfig.from_dir(model_path), config)
             # Started before this process is pinned, so each worker inherits all the host's cores to take its share.
@@ -101,7 +115,8 @@ class EngineCore:
                 ModelRunner(*draft, num_blocks, config.block_size, prefill=config.prefill_precision),
                 config.max_num_batched_tokens)
         self.speculation = SpeculationStats()
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 *self._disk_tier(model_path))
         self._draft_slots = None if spec is None else DraftSlots(spec.num_speculative_tokens,
                                                                  spec.disable_by_batch_size,
                                                                  current=self.proposer.current)
@@ -114,6 +129,24 @@ class EngineCore:
         self.load_seconds = time.perf_counter() - start
         logger.info("loaded %s (%s) in %.1f s; %s", config.model, self._placement(), self.load_seconds,
                     "; ".join(self._setup(num_blocks)))
+
+    def _disk_tier(self, model_path: Path) -> tuple[DiskTier | None, KVBlockIO | None]:
+        """The prefix cache's disk tier over this runner's cache, where --kv-offload-dir asks for one."""
+        config = self.config
+        if config.kv_offload_dir is None:
+            return None, None
+        data = KVBlockIO(self.runner.k_cache, self.runner.v_cache, config.block_size)
+        layout = (self.model_config.num_hidden_layers, *self.runner.k_cache.shape[2:])
+        key = model_key(Path(model_path), self.worker.dtype, config.block_size, layout)
+        self.disk = DiskTier(config.kv_offload_dir, key, config.kv_offload_bytes, on_error=self._disk_failed)
+        return self.disk, data
+
+    def _disk_failed(self, error: BaseException) -> None:
+        """The writer thread died (a bug, not a full disk): the engine ends, here or at its next step. Its reason
+        is recorded before the waiting saves wake, so the first reason is the writer's."""
+        if self.on_thread_death is not None:
+            self.on_thread_death("KVDiskWriter", error)
+        self.saves.event.set()
 
     def _placement(self) -> str:
         """The load line's architecture, device, dtype, threads and cores, and how the model is split."""
@@ -145,6 +178,9 @@ class EngineCore:
         if spec is not None:
             parts.append(f"speculative decoding: {spec.method.value}" + (f" {spec.model}" if spec.model else "")
                          + f", {spec.num_speculative_tokens} tokens")
+        if self.disk is not None:
+            parts.append(f"KV disk tier: {self.disk.dir} ({self.disk.num_files} blocks, "
+                         f"{self.disk.bytes_used / 2**20:.0f} of {self.config.kv_offload_bytes / 2**20:.0f} MiB)")
         return parts
 
     @property
@@ -162,13 +198,15 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        if request.kv_save is not None and self.disk is None:
+            raise ValueError("kv_save: this engine has no KV disk tier; start it with --kv-offload-dir")
         sampling = SamplingState.new(request.params, request.prompt_token_ids, sorted(self.eos_token_ids),
                                      self.vocab_size, self.device)
         if request.params.structured_outputs is not None:  # compiled on the grammar thread; it waits till then
             sampling.grammar = Grammar(self.grammars.submit(request.params.structured_outputs))
         seq = Sequence(request.request_id, request.prompt_token_ids, request.params, sampling, request.max_tokens,
                        prompt_logprobs=[] if request.params.prompt_logprobs is not None else None,
-                       pooling=request.pooling, images=self._images(request))
+                       pooling=request.pooling, images=self._images(request), kv_save=request.kv_save)
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
 
@@ -213,15 +251,21 @@ class EngineCore:
         self.scheduler.draft_slots = self._draft_slots if on else None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or bool(self.saves.pending)
 
     def stats(self) -> EngineStats:
-        pool, prefix = self.kv.pool, self.kv.stats
+        prefix, disk = self.kv.stats, None
+        if self.disk is not None:
+            s = self.disk.stats
+            disk = KVDiskStats(self.disk.num_files, self.disk.bytes_used, self.disk.max_bytes, s.bytes_read,
+                               s.bytes_written, s.corrupt_files, s.write_errors, s.dropped_writes, s.evicted_files)
+        pool = self.kv.pool
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), num_blocks=pool.num_blocks,
             num_free_blocks=pool.num_free, max_model_len=self.max_model_len,
             prefix_cache_queried_tokens=prefix.queried_tokens, prefix_cache_hit_tokens=prefix.hit_tokens,
             num_preemptions=self.scheduler.num_preemptions, speculation=replace(self.speculation),
+            prefix_cache_disk_hit_tokens=prefix.disk_hit_tokens, kv_disk=disk,
         )
 
     # ---- the step -----------------------------------------------------------------------------
@@ -229,9 +273,12 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """One forward pass over every scheduled sequence; an output for each that sampled a token or ended."""
         began = time.perf_counter()
+        saved = self._finished_saves()
         plan = self.scheduler.schedule()
-        failed = self._failed_grammars(plan.scheduled)
+        failed = saved + self._failed_grammars(plan.scheduled)
         if not plan.scheduled:
+            if not failed and self.saves.pending:
+                self.saves.event.wait(_IDLE_WAIT_S)  # nothing to run until the writer finishes a save
             return failed
         if self.proposer is not None:
             self._propose(plan.scheduled)
@@ -261,7 +308,9 @@ class EngineCore:
         for (seq, _), result, tokens, stop in zip(plan.scheduled, results, taken, stops, strict=True):
             if seq.draft_token_ids:
                 self._verified(seq, len(tokens) - 1, stop)
-            if tokens:
+            if tokens and stop is not None and seq.kv_save is not None:
+                self._save(seq, self._output(seq, tokens, stop))
+            elif tokens:
                 outputs.append(self._output(seq, tokens, stop))
             elif seq.pooling is not None and seq.num_computed_tokens >= seq.num_tokens:
                 outputs.append(self._pool(seq, result.hidden[-1]))
@@ -273,6 +322,27 @@ class EngineCore:
         self.step_log.add(StepRecord(time.time(), end - began, scheduled - began, ran - scheduled, end - ran,
                                      len(seqs), sum(len(s.token_ids) for s in seqs)))
         return failed + outputs
+
+    def _save(self, seq: Sequence, output: EngineCoreOutput) -> None:
+        """Hands a finished save request's prompt blocks to the disk writer; its output waits till they are written
+        (its blocks stay referenced till then, so the writer reads them in place)."""
+        seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq.prompt_token_ids))
+        block_ids, writes = self.kv.save_job_blocks(seq)
+        job = WriteJob(writes, name=seq.kv_save.name, token_ids=list(seq.prompt_token_ids),
+                       block_size=self.config.block_size)
+        self.saves.add(PendingSave(block_ids, output, job))
+        self.disk.submit(job)
+
+    def _finished_saves(self) -> list[EngineCoreOutput]:
+        """The outputs of saves whose blocks the writer has finished, their blocks released."""
+        if self.disk is not None and self.disk.error is not None:
+            raise RuntimeError(f"the KV disk writer died: {type(self.disk.error).__name__}: {self.disk.error}")
+        outputs = []
+        for save in self.saves.done():
+            self.kv.release(save.block_ids)
+            save.output.num_saved_tokens = save.job.leading * self.config.block_size
+            outputs.append(save.output)
+        return outputs
 
     def _propose(self, scheduled: list[tuple[Sequence, int]]) -> None:
         """Fills the room the scheduler left decoding sequences with proposed tokens; what stays empty is not
@@ -350,6 +420,8 @@ class EngineCore:
         Idempotent. This process may use all the cores it could before the engine pinned it again."""
         if getattr(self, "grammars", None) is not None:
             self.grammars.shutdown()
+        if self.disk is not None and not kill:
+            self.disk.close()  # the evicted blocks still queued are written
         if kill and self.workers is not None:
             self.workers.kill()
         self._finalizer()

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from slotserve import structured_outputs
-from slotserve.engine.protocol import EngineCoreRequest, ProcessedRequest
+from slotserve.engine.protocol import EngineCoreRequest, KVSave, ProcessedRequest
 from slotserve.multimodal.image_input import ImageInput
 from slotserve.multimodal.prompts import ImageLike, ImagePrompting
 from slotserve.pooling_params import PoolingParams
@@ -26,8 +26,8 @@ class InputProcessor:
         self.image_prompting = image_prompting  # None: a text model
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
-                images: Sequence[ImageLike] = ()) -> ProcessedRequest:
-        """Bad input raises ValueError naming the field and the problem."""
+                images: Sequence[ImageLike] = (), kv_save: KVSave | None = None) -> ProcessedRequest:
+        """Bad input raises ValueError naming the field and the problem. `kv_save`: a save of the prompt's KV."""
         pooling = isinstance(params, PoolingParams)
         if pooling and self.task != "embed":
             raise TaskMismatchError("this model is served for generation; start it with --task embed "
@@ -66,7 +66,7 @@ class InputProcessor:
                 # Each of the n samples gets its own seeded stream; together they stay reproducible.
                 seq_params = replace(params, seed=(params.seed + index) % 2**64)
             sequences.append(EngineCoreRequest(f"{request_id}#{index}", token_ids, seq_params, max_tokens,
-                                               images=placed))
+                                               images=placed, kv_save=kv_save))
         return ProcessedRequest(request_id, text, token_ids, sequences)
 
     def _check_token_ids(self, params: SamplingParams) -> None:

@@ -17,7 +17,7 @@ from slotserve.engine.engine_core import EngineCore
 from slotserve.engine.input_processor import InputProcessor
 from slotserve.engine.model_runner import ModelRunner
 from slotserve.engine.output_processor import OutputProcessor
-from slotserve.engine.protocol import EngineStats
+from slotserve.engine.protocol import EngineStats, KVSave
 from slotserve.engine.scheduler import Scheduler
 from slotserve.kv_cache.manager import KVCacheManager
 from slotserve.model_store import resolve_model
@@ -85,14 +85,15 @@ class LLMEngine:
         return self.core.task
 
     def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | PoolingParams | None = None, images: Sequence[ImageLike] = ()) -> None:
+                    params: SamplingParams | PoolingParams | None = None, images: Sequence[ImageLike] = (),
+                    kv_save: KVSave | None = None) -> None:
         """Queues a request (PoolingParams: an embedding request; `images`: for a vision-language model, in the
         order of the prompt's image placeholders); bad input raises ValueError naming the problem and changes
         nothing."""
         if request_id in self.output_processor:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         default = PoolingParams() if self.core.task == "embed" else SamplingParams()
-        processed = self.input_processor.process(request_id, prompt, params or default, images)
+        processed = self.input_processor.process(request_id, prompt, params or default, images, kv_save)
         self.output_processor.add_request(processed)
         added = []
         try:

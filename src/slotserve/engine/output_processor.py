@@ -36,6 +36,7 @@ class _Group:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     sent_prompt_logprobs: bool = False
     num_cached_tokens: int = 0
+    num_saved_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -102,6 +103,7 @@ class OutputProcessor:
             if out.prompt_logprobs is not None:
                 group.prompt_logprobs = [self._name_tokens(p) for p in out.prompt_logprobs]
             group.num_cached_tokens = out.num_cached_tokens
+            group.num_saved_tokens = max(group.num_saved_tokens, out.num_saved_tokens)
             if self._update(seq, out):
                 stopped.append(out.request_id)
             touched[request_id] = group
@@ -152,6 +154,7 @@ class OutputProcessor:
             request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
             outputs=completions, finished=group.finished, prompt_logprobs=group.prompt_logprobs,
             metrics=self._metrics(group), num_cached_tokens=group.num_cached_tokens,
+            num_saved_tokens=group.num_saved_tokens,
         )
 
     def _delta(self, group: _Group) -> RequestOutput:
@@ -176,7 +179,7 @@ class OutputProcessor:
         return RequestOutput(
             request_id=group.request.request_id, prompt=None, prompt_token_ids=[], outputs=completions,
             finished=group.finished, prompt_logprobs=prompt_logprobs, metrics=self._metrics(group),
-            num_cached_tokens=group.num_cached_tokens,
+            num_cached_tokens=group.num_cached_tokens, num_saved_tokens=group.num_saved_tokens,
         )
 
     @staticmethod

@@ -8,6 +8,7 @@ fields can cross (no pickle).
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -21,6 +22,28 @@ from slotserve.sampling_params import SamplingParams
 
 
 @dataclass
+class KVSave:
+    """Write the request's prompt blocks to the KV disk tier before it finishes; `name` keeps them (a manifest)."""
+
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.name is not None:
+            check_save_name(self.name)
+
+
+_SAVE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+
+
+def check_save_name(name: str) -> str:
+    """A save's name, which is a file name in the disk tier: letters, digits, '.', '_' and '-' (ValueError naming
+    the field)."""
+    if not isinstance(name, str) or not _SAVE_NAME.fullmatch(name):
+        raise ValueError(f"name: {name!r} must be 1-128 letters, digits, '.', '_' or '-', not starting with '.'")
+    return name
+
+
+@dataclass
 class EngineCoreRequest:
     """One sequence to sample. A user request with n > 1 becomes n of these, each with its own id."""
 
@@ -31,6 +54,7 @@ class EngineCoreRequest:
     arrival_time: float = field(default_factory=time.time)
     pooling: PoolingParams | None = None  # an embedding request: prefill only, one vector out
     images: list[ImageInput] = field(default_factory=list)  # in prompt order, their tokens in place
+    kv_save: KVSave | None = None
 
 
 @dataclass
@@ -45,6 +69,7 @@ class EngineCoreOutput:
     stop_reason: int | None = None  # the stop token id, when one ended it
     num_cached_tokens: int = 0
     embedding: list[float] | None = None  # an embedding request's vector
+    num_saved_tokens: int = 0  # a save: the prompt tokens whose blocks are on disk now
 
 
 @dataclass
@@ -79,6 +104,19 @@ class SpeculationStats:
 
 
 @dataclass
+class KVDiskStats:
+    files: int
+    bytes_used: int
+    max_bytes: int
+    bytes_read: int
+    bytes_written: int
+    corrupt_files: int
+    write_errors: int
+    dropped_writes: int
+    evicted_files: int
+
+
+@dataclass
 class EngineStats:
     running: int
     waiting: int
@@ -86,9 +124,11 @@ class EngineStats:
     num_free_blocks: int  # cached prefixes' blocks included: they are taken back when needed
     max_model_len: int
     prefix_cache_queried_tokens: int  # prompt tokens looked up in the prefix cache
-    prefix_cache_hit_tokens: int  # of them, those found
+    prefix_cache_hit_tokens: int  # of them, those found (in either tier)
     num_preemptions: int
     speculation: SpeculationStats = field(default_factory=SpeculationStats)
+    prefix_cache_disk_hit_tokens: int = 0  # of the hits, those read back from the KV disk tier (--kv-offload-dir)
+    kv_disk: KVDiskStats | None = None  # None without a disk tier
 
     @property
     def kv_cache_usage(self) -> float:
@@ -102,14 +142,16 @@ class EngineStats:
     @classmethod
     def combine(cls, stats: list[EngineStats]) -> EngineStats:
         """Several replicas' stats as one engine's: counts summed, the context limit the smallest."""
-        def total(name: str) -> int:
-            return sum(getattr(s, name) for s in stats)
+        def total(name: str, of: list = stats) -> int:
+            return sum(getattr(s, name) for s in of)
 
+        disks = [s.kv_disk for s in stats if s.kv_disk is not None]
         return cls(total("running"), total("waiting"), total("num_blocks"), total("num_free_blocks"),
                    min(s.max_model_len for s in stats), total("prefix_cache_queried_tokens"),
                    total("prefix_cache_hit_tokens"), total("num_preemptions"),
-                   SpeculationStats(*(sum(getattr(s.speculation, f.name) for s in stats)
-                                      for f in fields(SpeculationStats))))
+                   SpeculationStats(*(total(f.name, [s.speculation for s in stats]) for f in fields(SpeculationStats))),
+                   total("prefix_cache_disk_hit_tokens"),
+                   KVDiskStats(*(total(f.name, disks) for f in fields(KVDiskStats))) if disks else None)
 
 
 # ---- front end -> engine core ---------------------------------------------------------------------
@@ -149,6 +191,7 @@ class Ready(msgspec.Struct, tag=True):
     vocab_size: int
     hidden_size: int
     task: str
+    kv_offload_dir: str | None = None  # this model's directory of the KV disk tier, where named saves are listed
 
 
 class Outputs(msgspec.Struct, tag=True):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from slotserve.engine.protocol import KVSave
 from slotserve.layers.sampler import SamplingState
 from slotserve.multimodal.inputs import RequestImages
 from slotserve.outputs import PositionLogprobs
@@ -40,6 +41,7 @@ class Sequence:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     pooling: PoolingParams | None = None
     images: RequestImages | None = None
+    kv_save: KVSave | None = None  # write its prompt's blocks to the disk tier before it finishes
     # Speculative decoding: the tokens proposed for this step, how many of its tokens the draft model's cache
     # holds, and running sums of its proposals kept and tried (engine/speculative.py's DraftSlots.note).
     draft_token_ids: list[int] = field(default_factory=list)

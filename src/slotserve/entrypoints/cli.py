@@ -13,6 +13,7 @@ _STARTED = time.perf_counter()
 
 # Torch-free imports, after _STARTED: the start of `bench latency`'s "time to first token".
 from slotserve import envs  # noqa: E402
+from slotserve.bench.kv_restore import add_arguments as kv_restore_args  # noqa: E402
 from slotserve.bench.quality import add_arguments as quality_args  # noqa: E402
 from slotserve.bench.replicas import add_arguments as replicas_bench_args  # noqa: E402
 from slotserve.bench.serve import add_arguments as serve_bench_args  # noqa: E402
@@ -213,6 +214,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from slotserve.bench.replicas import run_replicas
 
         result = run_replicas(args)
+    elif args.bench == "kv-restore":
+        from slotserve.bench.kv_restore import run_kv_restore
+
+        result = run_kv_restore(engine_config(args), args)
     elif args.bench == "serve":
         from slotserve.bench.serve import run_serve_bench
 
@@ -359,6 +364,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--output-len", type=int, default=128, help="most tokens per answer (greedy; EOS ends it)")
     b.add_argument("--num-prompts", type=int, default=8, help="prompts of each kind (at most 8)")
     b.add_argument("--clients", type=int, nargs="+", default=[8], help="requests at once, besides 1 (default 8)")
+    add_engine_args(b)
+    b.set_defaults(func=cmd_bench)
+    b = bench.add_parser("kv-restore", help="time to first token of a long prompt computed, and restored from the KV "
+                                            "disk tier after a restart of the engine; their ratio")
+    kv_restore_args(b)
     add_engine_args(b)
     b.set_defaults(func=cmd_bench)
     b = bench.add_parser("serve", help="load a running server: request throughput, TTFT, TPOT, ITL")

@@ -28,6 +28,12 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_options: bool = True) -> Non
     g.add_argument("--max-num-batched-tokens", type=int, default=1024,
                    help="tokens computed per step; longer prompts are prefilled in chunks")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
+    g.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                   help="the prefix cache's disk tier: evicted and saved KV blocks are kept as files here and read "
+                        "back on a prefix hit, also after a restart with the same model (docs/kv_offload.md)")
+    g.add_argument("--kv-offload-bytes", type=parse_size, default=8 << 30,
+                   help="the most the disk tier's files take, e.g. 20G; the least recently used go first "
+                        "(default 8G)")
     g.add_argument("--task", default="auto", choices=["auto", "generate", "embed"],
                    help="embed: serve embeddings (last-token pooling); auto: embed for embedding checkpoints")
     g.add_argument("--quantization", default=None, choices=["int8"],
@@ -119,7 +125,8 @@ def engine_config(args: argparse.Namespace):
                         ubatch_prefill_threshold=args.ubatch_prefill_threshold,
                         ubatch_adaptive=args.ubatch_adaptive,
                         limit_mm_per_prompt=args.limit_mm_per_prompt, image_min_pixels=args.image_min_pixels,
-                        image_max_pixels=args.image_max_pixels, speculative_config=args.speculative_config)
+                        image_max_pixels=args.image_max_pixels, speculative_config=args.speculative_config,
+                        kv_offload_dir=args.kv_offload_dir, kv_offload_bytes=args.kv_offload_bytes)
 
 
 def make_llm(args: argparse.Namespace):

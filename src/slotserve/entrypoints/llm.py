@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from slotserve.config import EngineConfig
 from slotserve.engine.llm_engine import LLMEngine
+from slotserve.engine.protocol import KVSave
 from slotserve.entrypoints.openai.chat_output import check_tools, tool_grammar
 from slotserve.entrypoints.openai.tool_calls import messages_for_template, parse_tool_calls
 from slotserve.model_store import DEFAULT_MODEL
@@ -62,6 +63,15 @@ class LLM:
         if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         return self._submit(prompts, _per_prompt(sampling_params, len(prompts)), use_tqdm)
+
+    def save_cache(self, prompt: Prompt, name: str | None = None) -> RequestOutput:
+        """Computes the prompt's KV (reusing what is cached) and writes its full blocks to the disk tier
+        (`kv_offload_dir`); returns once they are on disk, `num_saved_tokens` saying how many tokens they hold.
+        A `name` keeps them from the directory's eviction until another save of that name replaces them."""
+        request_id = f"offline-{next(self._ids)}"
+        text, images = _with_images(prompt)
+        self.engine.add_request(request_id, text, SamplingParams(temperature=0, max_tokens=1), images, KVSave(name))
+        return self._run([request_id], use_tqdm=False)[0]
 
     def _submit(self, prompts: Sequence[Prompt], params: Sequence[SamplingParams | PoolingParams],
                 use_tqdm: bool) -> list:

@@ -9,6 +9,7 @@ back. The free queue is least-recently-used first, so eviction takes the block u
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -21,10 +22,12 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_evict: Callable[[Block], None] | None = None) -> None:
+        """on_evict: called with a cached block about to be handed out again, while it still holds its prefix."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.on_evict = on_evict
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[int, Block] = {}
@@ -51,6 +54,8 @@ class BlockPool:
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.hash is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block)
                 del self._cached[block.hash]
                 block.hash = block.token_ids = None
             block.ref_count = 1

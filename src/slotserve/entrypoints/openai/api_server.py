@@ -32,7 +32,7 @@ from starlette.staticfiles import StaticFiles
 from slotserve.config import EngineConfig
 from slotserve.engine import diagnostics
 from slotserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestAbortedError
-from slotserve.entrypoints.openai import messages
+from slotserve.entrypoints.openai import kv_cache_api, messages
 from slotserve.entrypoints.openai.errors import ServerError, as_server_error, bad_request, unavailable
 from slotserve.entrypoints.openai.limits import RequestLimits
 from slotserve.entrypoints.openai.messages import MessagesAPI, MessagesRequest
@@ -276,6 +276,15 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
         if bad:
             raise bad_request(f"tokens: ids {bad[:5]} are outside the vocabulary", "tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    def render_chat(messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
+        try:
+            return engine.tokenizer.apply_chat_template(flatten_messages(messages_for_template(messages))[0],
+                                                        add_generation_prompt=add_generation_prompt, **kwargs)
+        except TypeError as e:  # a template given a kwarg it cannot take
+            raise bad_request(f"chat_template_kwargs: {e}", "chat_template_kwargs") from None
+
+    kv_cache_api.register(app, engine, serving.slots, read, admit, render_chat)
 
     front_end_threads = diagnostics.ThreadSampler()  # CPU shares since the previous sample
     if settings.debug_endpoints:

@@ -37,6 +37,19 @@ class ServerMetrics:
         self.kv_blocks = gauge("kv_cache_blocks", "KV cache blocks in the pool")
         self.kv_free_blocks = gauge("kv_cache_free_blocks", "KV cache blocks free (cached prefixes included)")
         self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up")
+        self.prefix_queried = gauge("prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = Gauge("slotserve:prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache, by "
+                                 "tier (memory: the KV cache; disk: read back from --kv-offload-dir)",
+                                 ["model_name", "tier"], registry=self.registry)
+        self.kv_disk = {name: gauge(f"kv_offload_{name}", doc) for name, doc in (
+            ("files", "KV blocks stored in the disk tier"),
+            ("bytes_used", "Bytes the disk tier's files take"),
+            ("bytes_read", "Bytes read back from the disk tier"),
+            ("bytes_written", "Bytes written to the disk tier"),
+            ("corrupt_files", "Disk tier files that failed a check on read and were removed"),
+            ("write_errors", "Disk tier writes that failed (OSError)"),
+            ("dropped_writes", "Evicted blocks not written: the writer's queue was full or the budget pinned"),
+            ("evicted_files", "Disk tier files removed to stay within --kv-offload-bytes"))}
         self.spec_proposed = gauge("spec_decode_num_draft_tokens", "Tokens proposed by speculative decoding")
         self.spec_accepted = gauge("spec_decode_num_accepted_tokens", "Proposed tokens the target model kept")
         self.spec_acceptance = gauge("spec_decode_acceptance_rate", "Proposed tokens kept / proposed")
@@ -71,6 +84,13 @@ class ServerMetrics:
         self.kv_blocks.set(stats.num_blocks)
         self.kv_free_blocks.set(stats.num_free_blocks)
         self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
+        self.prefix_queried.set(stats.prefix_cache_queried_tokens)
+        disk_hits = stats.prefix_cache_disk_hit_tokens
+        for tier, value in (("memory", stats.prefix_cache_hit_tokens - disk_hits), ("disk", disk_hits)):
+            self.prefix_hits.labels(model_name=self.model_name, tier=tier).set(value)
+        if stats.kv_disk is not None:
+            for name, g in self.kv_disk.items():
+                g.set(getattr(stats.kv_disk, name))
         spec = stats.speculation
         self.spec_proposed.set(spec.proposed)
         self.spec_accepted.set(spec.accepted)

@@ -33,6 +33,7 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
+    id_slot: int | None = None  # llama.cpp's: the slot (/slots) this request's prompt is kept as
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None

@@ -33,6 +33,7 @@ from slotserve.entrypoints.openai.chat_output import (
 )
 from slotserve.entrypoints.openai.errors import ServerError, as_server_error, unavailable
 from slotserve.entrypoints.openai.images import fetch_images
+from slotserve.entrypoints.openai.kv_cache_api import SlotTable
 from slotserve.entrypoints.openai.limits import RequestLimits
 from slotserve.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from slotserve.entrypoints.openai.protocol import (
@@ -127,6 +128,7 @@ class OpenAIServing:
         vocab = engine.tokenizer.backend
         self._tag_ids = {tag: vocab.token_to_id(tag) for tag in ("<tool_call>", "</tool_call>")}
         self._starting = 0  # sequences of requests still being tokenized: counted against the queue limit
+        self.slots = SlotTable(engine.config.max_num_seqs)  # llama.cpp's slots: the prompt each last took
 
     # ---- endpoints ----------------------------------------------------------------------------
 
@@ -136,7 +138,10 @@ class OpenAIServing:
         body.check_limits(self.limits, len(prompts))
         logprobs = body.logprobs
         params = body.sampling_params(body.max_tokens, logprobs)
+        if body.id_slot is not None:
+            self.slots.check(body.id_slot)
         streams = await self._start(request_id, prompts, params)
+        self.slots.record(body.id_slot, streams[-1].prompt_token_ids)
         if body.stream:
             return self._sse(streams, self._completion_chunks(body, request_id, streams, params))
         choices, usage = await self._collect(raw, streams, params)
@@ -186,7 +191,10 @@ class OpenAIServing:
             params = replace(params, structured_outputs=grammar)
         prompt, images = await asyncio.to_thread(self._render, body)
         options = output_options(prompt, self.reasoning_parser is not None, calls_tools)
+        if body.id_slot is not None:
+            self.slots.check(body.id_slot)
         streams = await self._start(request_id, [prompt], params, await fetch_images(images, self.limits))
+        self.slots.record(body.id_slot, streams[0].prompt_token_ids)
         return ChatRun(request_id, streams, params, options)
 
     async def collect_chat(self, raw: Request, run: ChatRun) -> tuple[ParsedMessage, Finish]:
