@@ -4,52 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import psutil
 
+from slotserve.bench.server_process import ServerProcess
+
 MODEL = "tiny"
 
 
-class Server:
-    """Its output goes to a file, not a pipe: a pipe nobody reads fills up and blocks the server's logging."""
-
+class Server(ServerProcess):
     def __init__(self, model_dir, *extra: str, env: dict[str, str] | None = None) -> None:
-        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (read after the server stopped)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "slotserve.entrypoints.cli", "--log-level", "WARNING", "serve", str(model_dir),
-             "--port", str(self.port), "--served-model-name", MODEL, "--kv-cache-memory", "16M",
-             "--log-interval", "0", *extra],
-            env={**os.environ, **(env or {})}, stdout=self.log, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.output()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError("server did not become healthy")
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()
+        super().__init__(str(model_dir), "--served-model-name", MODEL, "--kv-cache-memory", "16M", *extra, env=env)
 
     def engine_pid(self) -> int:
         """The engine-core process: the server's child started by multiprocessing's spawn."""
@@ -82,16 +50,6 @@ class Server:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     yield "[DONE]" if line == "data: [DONE]" else json.loads(line[6:])
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
 
 
 def reasoning_server(model_dir) -> Iterator[Server]:

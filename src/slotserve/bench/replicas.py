@@ -10,17 +10,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
-import time
 from typing import Any
 
-import httpx
-
 from slotserve.bench.serve import run_load
+from slotserve.bench.server_process import ServerProcess
 from slotserve.parallel.threadpool import parse_cpu_list
 
 
@@ -37,42 +31,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start-timeout", type=float, default=600.0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _round(args: argparse.Namespace, cores: str, replicas: int, seed: int) -> dict[str, Any]:
-    port = _free_port()
-    with tempfile.TemporaryFile(mode="w+") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "slotserve.entrypoints.cli", "--log-level", "WARNING", "serve", args.model,
-             "--port", str(port), "--cpu-affinity", cores, "--data-parallel-size", str(replicas),
-             "--kv-cache-memory", args.kv_cache_memory, "--log-interval", "0"], stdout=log, stderr=subprocess.STDOUT)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + args.start_timeout
-            while True:
-                if server.poll() is not None:
-                    log.seek(0)
-                    raise RuntimeError(f"the server with {replicas} replica(s) exited: {log.read()[-2000:]}")
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the server with {replicas} replica(s) did not start in {args.start_timeout} s")
-                time.sleep(0.5)
-            load = argparse.Namespace(
-                base_url=url, model=None, api_key=None, num_prompts=args.num_prompts, input_len=args.input_len,
-                output_len=args.output_len, max_concurrency=args.max_concurrency, request_rate=float("inf"),
-                seed=seed, duration=None, cancel_fraction=0.0, poll_debug=None, settle_timeout=30.0)
-            result = asyncio.run(run_load(load))
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
+    server = ServerProcess(args.model, "--cpu-affinity", cores, "--data-parallel-size", str(replicas),
+                           "--kv-cache-memory", args.kv_cache_memory, start_timeout=args.start_timeout)
+    try:
+        load = argparse.Namespace(
+            base_url=server.url, model=None, api_key=None, num_prompts=args.num_prompts, input_len=args.input_len,
+            output_len=args.output_len, max_concurrency=args.max_concurrency, request_rate=float("inf"),
+            seed=seed, duration=None, cancel_fraction=0.0, poll_debug=None, settle_timeout=30.0)
+        result = asyncio.run(run_load(load))
+    finally:
+        server.stop()
     return {"replicas": replicas, "completed": result["completed"], "failed": result["failed"],
             "output_tokens_per_s": result["output_tokens_per_s"], "ttft_ms_median": result["ttft_ms"]["median"],
             "tpot_ms_median": result["tpot_ms"]["median"]}

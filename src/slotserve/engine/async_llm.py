@@ -226,7 +226,7 @@ def replica_configs(config: EngineConfig) -> list[EngineConfig]:
     cores = list(config.cpu_affinity or sorted(os.sched_getaffinity(0)))
     per_replica = len(cores) // count
     if per_replica >= 1:
-        return [dataclasses.replace(one, cpu_affinity=tuple(cores[i * per_replica:(i + 1) * per_replica]),
-                                    threads=config.threads) for i in range(count)]
+        return [dataclasses.replace(one, cpu_affinity=tuple(cores[i * per_replica:(i + 1) * per_replica]))
+                for i in range(count)]
     return [dataclasses.replace(one, cpu_affinity=None, threads=config.threads or max(1, len(cores) // count))
             ] * count

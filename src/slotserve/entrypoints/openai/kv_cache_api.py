@@ -76,22 +76,15 @@ def register(app: FastAPI, engine: AsyncLLM, slots: SlotTable, read, admit, rend
     async def save(tokens: list[int] | str, name: str | None) -> tuple[int, int, int | None]:
         """Runs a save to its end: (prompt tokens, tokens saved, bytes its files take: named saves only)."""
         disk_dir()
-        stream = await engine.add_request(f"save-{time.monotonic_ns()}", tokens,
-                                          SamplingParams(temperature=0, max_tokens=1), kv_save=KVSave(name))
-        saved = 0
-        try:
-            async for out in stream:
-                saved = max(saved, out.num_saved_tokens)
-        finally:
-            await stream.aclose()
+        num_tokens, saved = await one_token(engine, "save", tokens, "num_saved_tokens", KVSave(name))
         if name is None:
-            return len(stream.prompt_token_ids), saved, None
+            return num_tokens, saved, None
         try:
             written = json.loads((disk_dir() / "names" / f"{name}.json").read_text())["bytes"]
         except (OSError, ValueError, KeyError):  # a block or the manifest could not be written (the log says why)
             raise ServerError(507, "InsufficientStorageError", f"name: the save {name!r} could not be stored "
                               f"whole ({saved} tokens were); see --kv-offload-bytes and the disk", "name") from None
-        return len(stream.prompt_token_ids), saved, written
+        return num_tokens, saved, written
 
     @app.post("/v1/cache/save")
     async def cache_save(raw: Request):
@@ -148,18 +141,25 @@ def register(app: FastAPI, engine: AsyncLLM, slots: SlotTable, read, admit, rend
         if not m.get("token_ids"):
             raise bad_request(f"filename: save {body.filename!r} holds no tokens", "filename")
         # Loading: a one-token request over the saved tokens reads their blocks back into the memory tier.
-        stream = await engine.add_request(f"restore-{time.monotonic_ns()}", m["token_ids"],
-                                          SamplingParams(temperature=0, max_tokens=1))
-        cached = 0
-        try:
-            async for out in stream:
-                cached = max(cached, out.num_cached_tokens)
-        finally:
-            await stream.aclose()
+        _, cached = await one_token(engine, "restore", m["token_ids"], "num_cached_tokens", None)
         slots.tokens[id_slot] = list(m["token_ids"])
         return {"id_slot": id_slot, "filename": body.filename, "n_restored": cached,
                 "n_read": m["bytes"] * min(cached // m["block_size"], len(m["hashes"])) // max(len(m["hashes"]), 1),
                 "timings": {"restore_ms": round((time.perf_counter() - start) * 1000, 3)}}
+
+
+async def one_token(engine: AsyncLLM, kind: str, tokens: list[int] | str, field: str,
+                    kv_save: KVSave | None) -> tuple[int, int]:
+    """Runs a one-token request over `tokens` to its end: (prompt tokens, the largest `field` its outputs held)."""
+    stream = await engine.add_request(f"{kind}-{time.monotonic_ns()}", tokens,
+                                      SamplingParams(temperature=0, max_tokens=1), kv_save=kv_save)
+    largest = 0
+    try:
+        async for out in stream:
+            largest = max(largest, getattr(out, field))
+    finally:
+        await stream.aclose()
+    return len(stream.prompt_token_ids), largest
 
 
 def check_filename(name: str) -> None:
