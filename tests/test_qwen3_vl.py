@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slotserve.config import EngineConfig, ModelConfig
+from slotserve.config import EngineConfig, ModelConfig, PrefillPrecision
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.model_runner import ScheduledSeq, Want
 from slotserve.multimodal.image_input import ImageInput
@@ -163,6 +163,20 @@ def test_prefill_logits_with_images_equal_transformers(request, model):
     # Not vacuous: the images move the logits.
     blank = hf_logits(hf, {**inputs, "pixel_values": torch.zeros_like(inputs["pixel_values"])})
     assert (blank - expected).abs().max() > 1e-2
+
+
+def test_a_bfloat16_tower_is_close_to_transformers_in_float32(dense):
+    """--prefill-precision bfloat16 runs the tower in bfloat16 (the load line says so); the text model stays float32,
+    and the prefill's logits stay near transformers' float32 ones."""
+    path, hf = dense
+    engine = make_engine(path, prefill_precision=PrefillPrecision.BFLOAT16)
+    assert engine.core.worker.vision_dtype == torch.bfloat16
+    assert "vision tower: bfloat16" in engine.core._setup(engine.core.runner.num_blocks)
+    assert {p.dtype for p in engine.core.model.model.visual.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in engine.core.model.model.language_model.parameters()} == {torch.float32}
+    expected = hf_logits(hf, hf_inputs(engine, PROMPT, IMAGES))
+    ours = prefill_logits(engine, PROMPT, IMAGES)
+    assert (ours - expected).abs().max() < 0.05 * expected.abs().max()
 
 
 def test_moe_experts_load_in_the_published_layout_too(moe, tmp_path):

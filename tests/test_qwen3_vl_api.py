@@ -143,12 +143,15 @@ def test_an_image_to_a_text_model_gets_a_400(tiny_qwen3):
 @pytest.mark.slow
 def test_bench_vision_prints_both_engines_figures(vl_model):
     out = subprocess.run([sys.executable, "-m", "slotserve.entrypoints.cli", "--log-level", "WARNING", "bench",
-                          "vision", "-m", str(vl_model), "--image-size", "64", "--images", "2", "--repeats", "1"],
-                         capture_output=True, text=True, timeout=300)
+                          "vision", "-m", str(vl_model), "--image-size", "64", "--images", "2", "--repeats", "1",
+                          "--prefill-precision", "bfloat16"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     assert_figures(figures, "slotserve.images_per_s", "slotserve.ttft_one_image_s", "transformers.images_per_s",
-                   "transformers.ttft_one_image_s", "images_per_s_ratio", "ttft_ratio")
+                   "transformers.ttft_one_image_s", "images_per_s_ratio", "ttft_ratio",
+                   "slotserve_float32_tower.images_per_s", "slotserve_float32_tower.ttft_one_image_s",
+                   "tower_speedup_over_float32")
+    assert figures["slotserve"]["vision_dtype"] == "bfloat16"
     assert figures["tokens_per_image"] == 4 and figures["images_per_call"] == 2
 
 

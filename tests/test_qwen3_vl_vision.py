@@ -10,7 +10,9 @@ import torch
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLVisionConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as HFVisionModel
 
+from slotserve.config import PrefillPrecision
 from slotserve.models.qwen3_vl_vision import Qwen3VLVisionModel, VisionConfig
+from slotserve.quantization.packed_linear import panel_dtype
 
 # The real patch size with a 4 x 4 position grid; and a smaller patch (tiny rows) with an 8 x 8 grid, a
 # head dim that is not a power of two, one DeepStack block and exact GELU in the MLP.
@@ -83,6 +85,31 @@ def test_bfloat16_close_to_float32(towers):
         out = copy.deepcopy(ours).to(torch.bfloat16)(pixel_values, grid_thw)
     for mine, theirs in zip([out.embeds, *out.deepstack], [ref.pooler_output, *ref.deepstack_features], strict=True):
         assert mine.dtype == torch.bfloat16
+        assert (mine.float() - theirs).abs().max() < 0.03 * theirs.abs().max()
+
+
+@pytest.mark.parametrize(("precision", "bfloat16_weights", "expected"), [
+    (PrefillPrecision.FLOAT32, True, torch.float32),
+    (PrefillPrecision.BFLOAT16, False, torch.bfloat16),  # asked for: the float32 weights round
+    (PrefillPrecision.AUTO, False, torch.float32),  # rounding weights is never chosen for the user
+    (PrefillPrecision.AUTO, True, None),  # a bfloat16 checkpoint: bfloat16 where the CPU has its dot products
+])
+def test_the_tower_runs_in_bfloat16_where_that_rounds_only_activations(towers, precision, bfloat16_weights, expected):
+    hf, ours = towers
+    tower = copy.deepcopy(ours)
+    if bfloat16_weights:
+        with torch.no_grad():
+            for p in tower.parameters():
+                p.copy_(p.bfloat16())
+    expected = expected or panel_dtype(PrefillPrecision.AUTO)
+    assert tower.choose_dtype(precision) == expected
+    assert {p.dtype for p in tower.parameters()} == {expected}
+    pixel_values, grid_thw = inputs(ours.cfg, GRIDS["three_images"])
+    with torch.no_grad():
+        ref = hf(pixel_values, grid_thw)
+        out = tower(pixel_values.to(expected), grid_thw)
+    for mine, theirs in zip([out.embeds, *out.deepstack], [ref.pooler_output, *ref.deepstack_features], strict=True):
+        assert mine.dtype == expected
         assert (mine.float() - theirs).abs().max() < 0.03 * theirs.abs().max()
 
 

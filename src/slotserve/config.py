@@ -240,7 +240,8 @@ class ExpertCommKind(enum.Enum):
 
 
 class PrefillPrecision(enum.Enum):
-    """What calls of many rows (prefill) on a GGUF's packed weights multiply in (quantization/packed_linear.py)."""
+    """What calls of many rows (prefill) on a GGUF's packed weights multiply in (quantization/packed_linear.py), and
+    a vision tower (models/qwen3_vl_vision.py: bfloat16 under AUTO only where its weights are bfloat16 values)."""
 
     AUTO = "auto"  # bfloat16 where the CPU has bfloat16 dot products (AMX, AVX512-BF16), else float32
     BFLOAT16 = "bfloat16"  # weights and activations rounded to bfloat16, float32 sums
@@ -337,7 +338,7 @@ class EngineConfig:
     task: str = "auto"  # "generate" | "embed" | "auto": embed for embedding checkpoints, else generate
     seed: int = 0
     quantization: str | None = None  # "int8": dynamically quantized int8 linear layers (CPU, float32 only)
-    prefill_precision: PrefillPrecision = PrefillPrecision.AUTO  # a GGUF's prefill: bfloat16 or float32
+    prefill_precision: PrefillPrecision = PrefillPrecision.AUTO  # a GGUF's prefill and a vision tower's GEMMs
     # CPU threads for torch and the parfor pool (they take turns; see parallel/cpu.py). None: the cores in
     # cpu_affinity, else SLOTSERVE_THREADS, else the cores this process may use.
     threads: int | None = None

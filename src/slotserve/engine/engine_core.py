@@ -172,6 +172,8 @@ class EngineCore:
             parts.append(runner.packing_report.summary())
         if runner.fused:
             parts.append("decode steps: fused")
+        if self.worker.vision_dtype is not None:
+            parts.append(f"vision tower: {str(self.worker.vision_dtype).removeprefix('torch.')}")
         if self.worker.weights_in_huge_pages:
             parts.append("weights in huge pages")
         spec = self.config.speculative_config

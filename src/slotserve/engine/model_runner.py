@@ -153,7 +153,7 @@ class ModelRunner:
         self.block_size, self.num_blocks = block_size, num_blocks
         self.sampler = Sampler()
         self.workspace = GatherWorkspace()
-        param = next(model.parameters())
+        *_, param = model.parameters()  # the text model's last: a vision tower, listed first, may run in bfloat16
         self.device, self.dtype = param.device, param.dtype
         self.decode_mode = decode_mode or ("paged" if paged_decode_available(self.device, self.dtype) else "batched")
         # Build the native kernels (layers/linear.py, norm.py, rotary.py) now, not in the middle of a step.

@@ -23,6 +23,7 @@ from slotserve.config import EngineConfig, parse_device, parse_dtype
 from slotserve.distributed.group import UNSPLIT, ModelParallel, RankGroup
 from slotserve.distributed.process_groups import init_rank_group, lanes, leave_rank_group
 from slotserve.engine.model_runner import ModelRunner, UbatchPolicy
+from slotserve.models.interface import VisionLanguageModel
 from slotserve.models.loader import available_memory, load_model
 from slotserve.models.packing import move_packings
 from slotserve.parallel.cpu import CpuSettings, apply_cpu_settings, restrict_process
@@ -98,6 +99,7 @@ class Worker:
         self.parallel = UNSPLIT
         self.runner: ModelRunner | None = None
         self.weights_in_huge_pages = False
+        self.vision_dtype: torch.dtype | None = None  # a vision-language model's tower's
         # Before loading: conversion uses the pool.
         threads, cores = rank_cpu_settings(config, rank.rank) if rank.pin_cores else (config.threads, None)
         self.cpu: CpuSettings = apply_cpu_settings(threads, cores)
@@ -116,6 +118,8 @@ class Worker:
                                                        self.parallel)
             if config.quantization == "int8":
                 quantize_int8(self.model)  # swaps the float linears for int8 ones, releasing their weights
+            if isinstance(self.model, VisionLanguageModel):  # before the weights move into huge pages
+                self.vision_dtype = self.model.choose_vision_dtype(config.prefill_precision)
         except Exception:
             self.close()
             raise

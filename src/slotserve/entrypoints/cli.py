@@ -345,13 +345,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(b)
     b.set_defaults(func=cmd_bench)
     b = bench.add_parser("vision", help="Qwen3-VL: images/s through the vision tower and time to first token with "
-                                        "one image, beside transformers")
-    b.add_argument("--model", "-m", default=None,
-                   help="a Qwen3-VL directory (default: a random model with Qwen3-VL-2B's vision tower)")
-    b.add_argument("--text-layers", type=int, default=4, help="text layers of the random model (the 2B has 28)")
+                                        "one image, also with the tower in float32, beside transformers")
+    b.add_argument("--model", "-m", default=None, help="a Qwen3-VL directory (default: a random model of --shape)")
+    b.add_argument("--shape", default="qwen3-vl-2b", choices=["qwen3-vl-2b", "qwen3-vl-8b"],
+                   help="the published model whose shapes the random model takes")
+    b.add_argument("--text-layers", type=int, default=4, help="text layers of the random model (2B: 28, 8B: 36)")
     b.add_argument("--image-size", type=int, default=448, help="side of the square test images, in pixels")
     b.add_argument("--images", type=int, default=4, help="images per timed call of the vision tower")
     b.add_argument("--repeats", type=int, default=3, help="timed runs of each measurement; the median is reported")
+    b.add_argument("--prefill-precision", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="the engine's (see serve --help); bfloat16 puts even a float32 checkpoint's tower in bfloat16")
     b.add_argument("--no-transformers", action="store_true", help="time slotserve alone (needs --model)")
     b.set_defaults(func=cmd_bench)
     b = bench.add_parser("quality", help="the engine as configured against the model's float32 reference: "

@@ -40,8 +40,9 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_options: bool = True) -> Non
                    help="int8: dynamically quantized int8 linear layers (CPU, float32; faster decode, "
                         "slightly different output)")
     g.add_argument("--prefill-precision", default="auto", choices=["auto", "bfloat16", "float32"],
-                   help="what a GGUF model's prefill multiplies in; auto: bfloat16 where the CPU has bfloat16 "
-                        "dot products (AMX, AVX512-BF16), else float32 (the weights' exact values)")
+                   help="what a GGUF model's prefill and a bfloat16 checkpoint's vision tower multiply in; auto: "
+                        "bfloat16 where the CPU has bfloat16 dot products (AMX, AVX512-BF16), else float32 (the "
+                        "weights' exact values)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                         '\'{"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}\'')

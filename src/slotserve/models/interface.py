@@ -7,7 +7,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from slotserve.config import ModelConfig
+from slotserve.config import ModelConfig, PrefillPrecision
 from slotserve.distributed.group import ModelParallel
 from slotserve.layers.attention import AttentionMetadata
 from slotserve.multimodal.inputs import EncodedImage, VisualRows
@@ -51,6 +51,11 @@ class VisionLanguageModel(CausalLM, Protocol):
     @property
     def spatial_merge_size(self) -> int:
         """Patches merged, per side, into one image token."""
+        ...
+
+    def choose_vision_dtype(self, precision: PrefillPrecision) -> torch.dtype:
+        """Puts the vision tower in the dtype its GEMMs run fastest in under the engine's `precision` of large
+        GEMMs (where that loses nothing but the activations' rounding, or was asked for); that dtype."""
         ...
 
     def encode_images(self, pixel_values: list[torch.Tensor], grids: list[tuple[int, int, int]]) -> list[EncodedImage]:

@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from slotserve.config import ConfigError, ModelConfig
+from slotserve.config import ConfigError, ModelConfig, PrefillPrecision
 from slotserve.distributed.group import UNSPLIT, ModelParallel
 from slotserve.layers.attention import AttentionMetadata
 from slotserve.layers.embedding import gather_logits, lm_head, tie
@@ -94,6 +94,9 @@ class Qwen3VLForConditionalGeneration(nn.Module):
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             tie(self.lm_head, self.model.language_model.embed_tokens)
+
+    def choose_vision_dtype(self, precision: PrefillPrecision) -> torch.dtype:
+        return self.model.visual.choose_dtype(precision)
 
     @torch.inference_mode()
     def encode_images(self, pixel_values: list[torch.Tensor], grids: list[tuple[int, int, int]]) -> list[EncodedImage]:

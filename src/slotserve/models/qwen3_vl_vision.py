@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slotserve.config import ConfigError
+from slotserve.config import ConfigError, PrefillPrecision
 from slotserve.layers.rotary import apply_rotary
+from slotserve.quantization.packed_linear import panel_dtype
 
 ACTIVATIONS = {"gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"), "gelu": F.gelu}
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin per patch: [patches, 1, head_dim / 2]
@@ -192,6 +193,18 @@ class Qwen3VLVisionModel(nn.Module):
         self.merger = PatchMerger(cfg, postshuffle=False)
         self.deepstack_merger_list = nn.ModuleList(
             PatchMerger(cfg, postshuffle=True) for _ in cfg.deepstack_visual_indexes)
+
+    def choose_dtype(self, precision: PrefillPrecision) -> torch.dtype:
+        """Moves a float32 CPU tower to bfloat16 where the engine's large GEMMs run in bfloat16 (`panel_dtype`) and
+        either every weight is a bfloat16 value (a bfloat16 checkpoint, so only the activations round) or
+        bfloat16 was asked for; the dtype it runs in. Its GEMMs then run at the bfloat16 units' rate."""
+        params = list(self.parameters())
+        float_cpu = params[0].device.type == "cpu" and params[0].dtype == torch.float32
+        if not float_cpu or panel_dtype(precision) != torch.bfloat16:
+            return params[0].dtype
+        if precision is PrefillPrecision.BFLOAT16 or all(torch.equal(p, p.bfloat16().float()) for p in params):
+            self.to(torch.bfloat16)
+        return next(self.parameters()).dtype
 
     def position_embeddings(self, h: int, w: int) -> torch.Tensor:
         """The learned grid resampled to h x w, as (h * w, hidden) in raster order, in float32."""
