@@ -337,7 +337,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     task: str = "auto"  # "generate" | "embed" | "auto": embed for embedding checkpoints, else generate
     seed: int = 0
-    quantization: str | None = None  # "int8": dynamically quantized int8 linear layers (CPU, float32 only)
+    # "int8": dynamically quantized int8 linear layers; "q8_0": a float checkpoint's linear and embedding weights
+    # as GGUF Q8_0 blocks, quantized as they load (CPU, float32 only, both)
+    quantization: str | None = None
     prefill_precision: PrefillPrecision = PrefillPrecision.AUTO  # a GGUF's prefill and a vision tower's GEMMs
     # CPU threads for torch and the parfor pool (they take turns; see parallel/cpu.py). None: the cores in
     # cpu_affinity, else SLOTSERVE_THREADS, else the cores this process may use.
@@ -476,13 +478,15 @@ class EngineConfig:
         self.cpu_affinity = cpus
 
     def _check_quantization(self) -> None:
-        # The int8 kernels are fbgemm's (x86 CPU) and take float32 activations.
-        if self.quantization != "int8":
-            raise ValueError(f"quantization: unknown value {self.quantization!r}; choose int8 (or leave it unset)")
+        # The int8 kernels are fbgemm's (x86 CPU), Q8_0's the packed CPU kernels; both take float32 activations.
+        if self.quantization not in ("int8", "q8_0"):
+            raise ValueError(f"quantization: unknown value {self.quantization!r}; choose int8 or q8_0 (or leave it "
+                             "unset)")
         # An explicit device is checked as named (a "cuda" request fails here even without CUDA).
         device = parse_device(None) if self.device in (None, "auto") else torch.device(self.device)
         if device.type != "cpu":
-            raise ValueError(f"quantization: int8 runs on CPU only, but the device is {device}; pass device='cpu'")
+            raise ValueError(f"quantization: {self.quantization} runs on CPU only, but the device is {device}; "
+                             "pass device='cpu'")
         if parse_dtype(self.dtype, device) != torch.float32:
-            raise ValueError(f"quantization: int8 computes in float32, but dtype is {self.dtype!r}; "
+            raise ValueError(f"quantization: {self.quantization} computes in float32, but dtype is {self.dtype!r}; "
                              "use dtype float32 or auto")

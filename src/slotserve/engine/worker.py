@@ -115,7 +115,7 @@ class Worker:
                 self._holdings.group = group
                 self.parallel = ModelParallel(group, config.enable_expert_parallel, config.expert_comm)
             self.model, self.model_config = load_model(model_path, self.dtype, self.device, config.max_model_len,
-                                                       self.parallel)
+                                                       self.parallel, q8_0=config.quantization == "q8_0")
             if config.quantization == "int8":
                 quantize_int8(self.model)  # swaps the float linears for int8 ones, releasing their weights
             if isinstance(self.model, VisionLanguageModel):  # before the weights move into huge pages

@@ -355,7 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3, help="timed runs of each measurement; the median is reported")
     b.add_argument("--prefill-precision", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="the engine's (see serve --help); bfloat16 puts even a float32 checkpoint's tower in bfloat16")
-    b.add_argument("--no-transformers", action="store_true", help="time slotserve alone (needs --model)")
+    b.add_argument("--quantization", default=None, choices=["q8_0"],
+                   help="q8_0: the text model's weights as Q8_0 blocks (what lets an 8B one fit in 24 GB)")
+    b.add_argument("--no-transformers", action="store_true", help="time slotserve alone")
     b.set_defaults(func=cmd_bench)
     b = bench.add_parser("quality", help="the engine as configured against the model's float32 reference: "
                                          "perplexity, greedy agreement, decode speed")

@@ -36,9 +36,10 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_options: bool = True) -> Non
                         "(default 8G)")
     g.add_argument("--task", default="auto", choices=["auto", "generate", "embed"],
                    help="embed: serve embeddings (last-token pooling); auto: embed for embedding checkpoints")
-    g.add_argument("--quantization", default=None, choices=["int8"],
-                   help="int8: dynamically quantized int8 linear layers (CPU, float32; faster decode, "
-                        "slightly different output)")
+    g.add_argument("--quantization", default=None, choices=["int8", "q8_0"],
+                   help="int8: dynamically quantized int8 linear layers; q8_0: a float checkpoint's linear and "
+                        "embedding weights as GGUF Q8_0 blocks, quantized as they load, a quarter of float32's "
+                        "memory (CPU, float32; faster decode, slightly different output)")
     g.add_argument("--prefill-precision", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="what a GGUF model's prefill and a bfloat16 checkpoint's vision tower multiply in; auto: "
                         "bfloat16 where the CPU has bfloat16 dot products (AMX, AVX512-BF16), else float32 (the "

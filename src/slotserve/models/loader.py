@@ -24,6 +24,7 @@ from slotserve.models.gguf import PACKED_METADATA, PACKED_PARTS
 from slotserve.models.qwen3_vl import TensorParts
 from slotserve.models.registry import model_class
 from slotserve.quantization.packed_linear import BLOCK, CHUNK_BITS, TILE, PackedTensor, PackedWeight
+from slotserve.quantization.q8_0 import Q8_0_BYTES_PER_VALUE, quantize_q8_0
 
 logger = logging.getLogger("slotserve")
 
@@ -58,17 +59,28 @@ def weight_files(path: Path) -> list[Path]:
 
 def load_model(
     path: str | Path, dtype: torch.dtype, device: torch.device, max_position: int | None = None,
-    parallel: ModelParallel = UNSPLIT,
+    parallel: ModelParallel = UNSPLIT, q8_0: bool = False,
 ) -> tuple[nn.Module, ModelConfig]:
     """Config, architecture, weights: the model ready for inference on `device` in `dtype`; under tensor
-    parallel, this rank's part of it, read from the checkpoint alone."""
+    parallel, this rank's part of it, read from the checkpoint alone. `q8_0`: the float linear and embedding
+    weights become Q8_0 packings as they are read (quantization/q8_0.py)."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     model = build_meta_model(cfg, max_position, parallel)
     files = weight_files(path)
-    check_memory(weight_footprint(model, dtype, device, checkpoint_dtypes(files), packed_sizes(files)), device)
-    load_weights(model, files, dtype, device)
+    quantized = q8_0_params(model) if q8_0 and device.type == "cpu" and dtype == torch.float32 else set()
+    check_memory(weight_footprint(model, dtype, device, checkpoint_dtypes(files), packed_sizes(files), quantized),
+                 device)
+    load_weights(model, files, dtype, device, quantized)
     return model.eval(), cfg
+
+
+def q8_0_params(model: nn.Module) -> set[str]:
+    """The parameters `--quantization q8_0` turns into packings: the weights of the Linear and VocabEmbedding
+    layers (not a FloatLinear's, which keeps float32), whose rows are whole blocks."""
+    return {f"{name}.weight" for name, m in model.named_modules()
+            if isinstance(m, Linear | VocabEmbedding) and not getattr(m, "keeps_float", False)
+            and m.weight is not None and m.weight.dim() == 2 and m.weight.shape[1] % BLOCK == 0}
 
 
 def build_meta_model(cfg: ModelConfig, max_position: int | None = None,
@@ -131,8 +143,10 @@ def checkpoint_layout(model: nn.Module) -> dict[str, TensorPlace | None]:
     return layout
 
 
-def load_weights(model: nn.Module, files: list[Path], dtype: torch.dtype, device: torch.device) -> None:
-    """Replaces every meta parameter with its checkpoint tensor, checking names and shapes.
+def load_weights(model: nn.Module, files: list[Path], dtype: torch.dtype, device: torch.device,
+                 quantized: set[str] = frozenset()) -> None:
+    """Replaces every meta parameter with its checkpoint tensor, checking names and shapes; the parameters in
+    `quantized` become Q8_0 packings.
 
     Tensors already in the wanted dtype on CPU stay views of the memory-mapped file (no copy, pages
     shared with the OS cache), which is what makes a second load of a model take seconds; the parts of
@@ -164,6 +178,9 @@ def load_weights(model: nn.Module, files: list[Path], dtype: torch.dtype, device
                     place = layout[key]
                     if place is not None and tensor_name in packed:
                         held.place(model, place, packed[tensor_name](), file)
+                    elif place is not None and place.param in quantized and (
+                            q := _q8_0(f, tensor_name, place, file)) is not None:
+                        held.place(model, place, q, file)
                     elif place is not None:
                         _place(model, place, _read(f, tensor_name, place, file), dtype, device)
                     loaded.add(key)
@@ -304,6 +321,14 @@ def _read(f: Any, name: str, place: TensorPlace, file: Path) -> torch.Tensor:
     return part[index].contiguous()
 
 
+def _q8_0(f: Any, name: str, place: TensorPlace, file: Path) -> PackedTensor | None:
+    """The whole checkpoint tensor (PackedParts takes this rank's shard of it) as Q8_0 blocks."""
+    shape = tuple(f.get_slice(name).get_shape())
+    if shape != place.shape:
+        raise WeightsError(f"{file}: tensor {name!r} has shape {shape}, the config implies {place.shape}")
+    return quantize_q8_0(f.get_tensor(name))
+
+
 def _place(model: nn.Module, place: TensorPlace, tensor: torch.Tensor, dtype: torch.dtype,
            device: torch.device) -> None:
     module_name, _, param_name = place.param.rpartition(".")
@@ -388,14 +413,15 @@ def packed_sizes(files: list[Path]) -> dict[str, PackedSize]:
 
 def weight_footprint(model: nn.Module, dtype: torch.dtype, device: torch.device,
                      stored: dict[str, torch.dtype | None] | None = None,
-                     packed: dict[str, PackedSize] | None = None) -> WeightFootprint:
+                     packed: dict[str, PackedSize] | None = None,
+                     quantized: set[str] = frozenset()) -> WeightFootprint:
     """The bytes of `model`'s parameters (as built on the meta device from the config) in `dtype`.
 
     On CPU a tensor the checkpoint (`stored`: name -> dtype) already holds in `dtype` stays mapped
     from the file; without `stored` every weight counts as copied, as do merged projections (no
     checkpoint tensor has their name). A float32 CPU weight whose parts the checkpoint all holds packed
     (`packed`) takes their bytes: mapped where it is one, copied where they are stacked (at 8 bits a value where
-    the parts' bits or zeros differ)."""
+    the parts' bits or zeros differ); one quantized at load (`quantized`), a Q8_0 packing's at most."""
     elem = torch.empty(0, dtype=dtype).element_size()
     mapped = copied = 0
     held = _held_parts(model, packed) if packed and device.type == "cpu" and dtype == torch.float32 else {}
@@ -405,6 +431,8 @@ def weight_footprint(model: nn.Module, dtype: torch.dtype, device: torch.device,
         elif name in held:
             mixed = len({part.form for part in held[name]}) > 1
             copied += sum(part.byte_nbytes if mixed else part.nbytes for part in held[name])
+        elif name in quantized:
+            copied += int(p.numel() * Q8_0_BYTES_PER_VALUE)
         elif device.type == "cpu" and stored is not None and stored.get(name) == dtype:
             mapped += p.numel() * elem
         else:

@@ -101,7 +101,8 @@ class Qwen3VLForConditionalGeneration(nn.Module):
     @torch.inference_mode()
     def encode_images(self, pixel_values: list[torch.Tensor], grids: list[tuple[int, int, int]]) -> list[EncodedImage]:
         """The vision tower over these images in one call; each image's token embeddings and DeepStack features."""
-        param, vision = self.model.language_model.embed_tokens.weight, next(self.model.visual.parameters())
+        # The text model's dtype, from its final norm: its linears and embedding may hold packings, no weight.
+        param, vision = self.model.language_model.norm.weight, next(self.model.visual.parameters())
         out = self.model.visual(torch.cat(pixel_values).to(vision.device, vision.dtype),
                                 torch.tensor(grids, dtype=torch.long, device=param.device))
         merge = self.spatial_merge_size**2
