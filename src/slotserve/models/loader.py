@@ -309,12 +309,18 @@ def _place_parts(model: nn.Module, layout: dict[str, TensorPlace | None], parts:
         _place(model, place, tensor.contiguous(), dtype, device)
 
 
-def _read(f: Any, name: str, place: TensorPlace, file: Path) -> torch.Tensor:
-    """The checkpoint tensor, or the shard of it this rank holds (read alone from the file)."""
+def _checked_slice(f: Any, name: str, place: TensorPlace, file: Path) -> Any:
+    """The checkpoint tensor's lazy slice, once its shape is the one the config implies."""
     part = f.get_slice(name)
     shape = tuple(part.get_shape())
     if shape != place.shape:
         raise WeightsError(f"{file}: tensor {name!r} has shape {shape}, the config implies {place.shape}")
+    return part
+
+
+def _read(f: Any, name: str, place: TensorPlace, file: Path) -> torch.Tensor:
+    """The checkpoint tensor, or the shard of it this rank holds (read alone from the file)."""
+    part = _checked_slice(f, name, place, file)
     if place.shard is None:
         return f.get_tensor(name)
     index = (slice(None),) * place.shard.dim + (slice(place.shard.start, place.shard.stop),)
@@ -323,9 +329,7 @@ def _read(f: Any, name: str, place: TensorPlace, file: Path) -> torch.Tensor:
 
 def _q8_0(f: Any, name: str, place: TensorPlace, file: Path) -> PackedTensor | None:
     """The whole checkpoint tensor (PackedParts takes this rank's shard of it) as Q8_0 blocks."""
-    shape = tuple(f.get_slice(name).get_shape())
-    if shape != place.shape:
-        raise WeightsError(f"{file}: tensor {name!r} has shape {shape}, the config implies {place.shape}")
+    _checked_slice(f, name, place, file)
     return quantize_q8_0(f.get_tensor(name))
 
 
