@@ -241,9 +241,25 @@ def test_draft_slots_take_the_k_of_the_most_tokens_a_second():
         for seq in seqs:
             seq.draft_kept, seq.draft_tried = acceptance, 1.0
         assert slots.choose(seqs, 2) == best
-    # Every PROBE_EVERY decisions another K is tried again.
-    picks = [slots.choose(seqs, 2) for _ in range(2 * DraftSlots.PROBE_EVERY)]
-    assert picks.count(2) == 2 * DraftSlots.PROBE_EVERY - 1 and set(picks) == {1, 2}
+    # Every PROBE_EVERY decisions another K is tried again, and every PLAIN_EVERY the plain step, so that its
+    # time stays current. The three decisions above were the first.
+    probe, plain = DraftSlots.PROBE_EVERY, DraftSlots.PLAIN_EVERY
+    picks = [slots.choose(seqs, 2) for _ in range(2 * probe)]
+    assert picks == [made // probe % 4 if made % probe == 0 else 0 if made % plain == 0 else 2
+                     for made in range(4, 4 + 2 * probe)]
+
+
+def test_a_plain_step_timed_in_a_slow_moment_is_timed_again():
+    slots = DraftSlots(1, None)
+    seqs = [Sequence("a", [1], GREEDY, None, 8)]
+    seqs[0].draft_kept, seqs[0].draft_tried = 0.9, 1.0
+    for k, seconds in ((0, 0.041), (0, 0.041), (1, 0.068), (1, 0.068)):  # the plain step slow, K = 1 leads
+        slots.record(1, k, seconds)
+    picks = []
+    for _ in range(3 * DraftSlots.PLAIN_EVERY):
+        picks.append(slots.choose(seqs, 1))
+        slots.record(1, picks[-1], 0.030 if picks[-1] == 0 else 0.068)  # the plain step's time now
+    assert picks[0] == 1 and picks[DraftSlots.PLAIN_EVERY - 1] == 0 and picks[-1] == 0
 
 
 def test_draft_slots_try_a_k_only_while_the_one_below_could_lead_and_once_for_every_batch():
